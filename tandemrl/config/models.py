@@ -1,0 +1,391 @@
+"""Typed models of the master config: every key a user may write, with its default.
+
+The keys follow the reference spec (``policy.generation.*``, ``grpo.*``, ``ppo.*``, ``value.*``,
+``loss_fn.*``, ``async_rl.*``, ``data_plane.*``, ``checkpointing.*``, ``rollout_checkpointing.*``,
+``token_capture.*``, ``rollout_recovery.*``) plus this project's ``data``, ``env``, ``cluster`` and
+``logger`` blocks. Every model forbids unknown keys; cross-field rules live in ``validate.py`` so
+that all violations can be reported together.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Strict(BaseModel):
+    """Base for config blocks: unknown keys are errors, values are checked on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# --------------------------------------------------------------------------- policy
+
+
+class TokenizerConfig(Strict):
+    # None: load the tokenizer from policy.model_name.
+    name: str | None = None
+
+
+class ColocatedResources(Strict):
+    num_nodes: int = Field(1, ge=1)
+    # Inference GPUs; the remainder of the node goes to training. 0 on CPU-only runs.
+    gpus_per_node: int = Field(0, ge=0)
+
+
+class ColocatedConfig(Strict):
+    enabled: bool = False
+    resources: ColocatedResources = ColocatedResources()
+
+
+class VllmConfig(Strict):
+    async_engine: bool = False
+    gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
+    enforce_eager: bool = True
+    max_model_len: int | None = None
+
+
+class GenerationConfig(Strict):
+    backend: Literal["torch", "vllm", "megatron", "fake"] = "torch"
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_new_tokens: int = Field(16, ge=1)
+    stop_token_ids: list[int] = []
+    stop_strings: list[str] = []
+    # Number of generation worker processes (Ray actors).
+    num_workers: int = Field(1, ge=1)
+    # Largest number of sequences one engine decodes together.
+    max_batch_size: int = Field(256, ge=1)
+    vllm_cfg: VllmConfig = VllmConfig()
+    colocated: ColocatedConfig = ColocatedConfig()
+    # Only for backend "fake" (tests and benchmarks): per-request latency model.
+    fake_latency: dict[str, Any] | None = None
+
+
+class DTensorConfig(Strict):
+    enabled: bool = True
+    activation_checkpointing: bool = False
+
+
+class MegatronConfig(Strict):
+    enabled: bool = False
+
+
+class OptimizerConfig(Strict):
+    name: Literal["adamw"] = "adamw"
+    lr: float = Field(3e-4, gt=0.0)
+    betas: tuple[float, float] = (0.9, 0.99)
+    eps: float = Field(1e-8, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+
+
+class SchedulerConfig(Strict):
+    name: Literal["constant", "linear_warmup"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+
+
+class PolicyConfig(Strict):
+    # A local transformers causal-LM folder, or "tiny://<preset>" for a built-in tiny model
+    # created on first use in the model cache folder.
+    model_name: str = "tiny://qwen2-counting"
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    train_global_batch_size: int = Field(128, ge=1)
+    train_micro_batch_size: int = Field(64, ge=1)
+    max_total_sequence_length: int = Field(64, ge=2)
+    # "auto": bfloat16 on CUDA, float32 on CPU.
+    precision: Literal["auto", "float32", "bfloat16"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    max_grad_norm: float | None = Field(1.0, gt=0.0)
+    generation: GenerationConfig = GenerationConfig()
+    dtensor_cfg: DTensorConfig = DTensorConfig()
+    megatron_cfg: MegatronConfig = MegatronConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    offload_optimizer_for_logprob: bool = False
+
+
+# --------------------------------------------------------------------------- algorithms
+
+
+class AlgorithmCommon(Strict):
+    num_prompts_per_step: int = Field(16, ge=1)
+    num_generations_per_prompt: int = Field(8, ge=1)
+    max_num_steps: int = Field(100, ge=1)
+    # Must be positive: the rollout pump stops when the epoch counter reaches it.
+    max_num_epochs: int = 1000
+    seed: int = 42
+    # Refused by validation (not implemented on the single-controller path); kept as keys so
+    # that a ported config gets a message that names them instead of "unknown key".
+    val_period: int = 0
+    val_at_start: bool = False
+    val_at_end: bool = False
+    reward_shaping: dict[str, Any] | None = None
+    reward_scaling: dict[str, Any] | None = None
+    use_dynamic_sampling: bool = False
+    # Exclude truncated completions (hit max_new_tokens) from the loss through sample_mask.
+    overlong_filtering: bool = False
+
+
+class GRPOConfig(AlgorithmCommon):
+    normalize_rewards: bool = True
+    use_leave_one_out_baseline: bool = True
+    # Legacy async block: must be null on the single-controller path.
+    async_grpo: dict[str, Any] | None = None
+
+
+class AdvEstimatorConfig(Strict):
+    name: Literal["gae", "grpo"] = "gae"
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    lambda_: float = Field(0.95, ge=0.0, le=1.0, alias="lambda")
+    normalize_advantages: bool = True
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+
+
+class PPOConfig(AlgorithmCommon):
+    num_generations_per_prompt: int = Field(1, ge=1)
+    ppo_epochs: int = 1
+    critic_ppo_epochs: int = 1
+    policy_training_start_step: int = Field(0, ge=0)
+    warm_start_value_checkpoint: str | None = None
+    adv_estimator: AdvEstimatorConfig = AdvEstimatorConfig()
+    # Legacy async block: must be null on the single-controller path.
+    async_ppo: dict[str, Any] | None = None
+
+
+class ValueConfig(Strict):
+    # None: same folder as policy.model_name, with a fresh scalar value head.
+    model_name: str | None = None
+    train_global_batch_size: int = Field(128, ge=1)
+    train_micro_batch_size: int = Field(64, ge=1)
+    max_grad_norm: float | None = Field(1.0, gt=0.0)
+    optimizer: OptimizerConfig = OptimizerConfig()
+
+
+class ValueLossConfig(Strict):
+    # Clip range of the value update around the old value estimate; None disables clipping.
+    value_clip: float | None = Field(0.2, gt=0.0)
+    loss_coef: float = Field(1.0, gt=0.0)
+
+
+class ImportanceSamplingConfig(Strict):
+    # tis: truncate per-token weights at `truncation`; icepop: zero tokens whose weight falls
+    # outside [low, high]; seq-mask-tis: mask whole sequences whose geometric-mean weight falls
+    # outside [low, high], then truncate per token.
+    mode: Literal["tis", "icepop", "seq-mask-tis", "none"] = "tis"
+    truncation: float = Field(2.0, gt=0.0)
+    low: float = Field(0.5, gt=0.0)
+    high: float = Field(2.0, gt=0.0)
+
+
+class LossConfig(Strict):
+    ratio_clip_min: float = Field(0.2, ge=0.0)
+    ratio_clip_max: float = Field(0.2, ge=0.0)
+    use_importance_sampling_correction: bool = False
+    importance_sampling: ImportanceSamplingConfig = ImportanceSamplingConfig()
+    token_level_loss: bool = True
+    entropy_coef: float = Field(0.0, ge=0.0)
+
+
+# --------------------------------------------------------------------------- async_rl
+
+
+class InOrderSamplerConfig(Strict):
+    name: Literal["in_order"]
+    max_lookahead_versions: int = Field(0, ge=0)
+    # PPO critic warm-up only: lookahead while ppo.policy_training_start_step is in progress.
+    warmup_lookahead_versions: int | None = Field(None, ge=0)
+
+
+class WeightFifoSamplerConfig(Strict):
+    name: Literal["weight_fifo"]
+    max_staleness_versions: int = Field(1, ge=0)
+
+
+class ReadyFirstSamplerConfig(Strict):
+    name: Literal["ready_first"]
+    max_staleness_versions: int = Field(1, ge=0)
+
+
+class WindowedSamplerConfig(Strict):
+    name: Literal["windowed"]
+    max_staleness_versions: int = Field(1, ge=0)
+    sample_freshest_first: bool = False
+
+
+class CustomSamplerConfig(BaseModel):
+    """``target: "module:ClassName"``; every other key is passed to the class's constructor."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+
+    name: Literal["custom"]
+    target: str
+
+    def constructor_kwargs(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+SamplerConfig = Annotated[
+    InOrderSamplerConfig
+    | WeightFifoSamplerConfig
+    | ReadyFirstSamplerConfig
+    | WindowedSamplerConfig
+    | CustomSamplerConfig,
+    Field(discriminator="name"),
+]
+
+SAMPLER_MODES = ("in_order", "weight_fifo", "ready_first", "windowed", "custom")
+
+
+class RolloutFailureConfig(Strict):
+    # Infrastructure failures (worker died, timeout, transport): retried with capped backoff.
+    max_infra_retries: int = Field(3, ge=0)
+    # Data failures (reward/environment raised, malformed output).
+    max_data_retries: int = Field(1, ge=0)
+    backoff_initial_s: float = Field(0.5, ge=0.0)
+    backoff_max_s: float = Field(10.0, ge=0.0)
+    # Run-wide budget of prompts dropped after their retries ran out. 0: a drop ends the run.
+    max_skipped_prompts: int = Field(0, ge=0)
+    # Budget of drops in a row (reset by any commit). 0: a drop ends the run.
+    max_consecutive_dropped_prompts: int = Field(0, ge=0)
+    on_dropped_prompt: Literal["shrink", "replace"] = "shrink"
+    # shrink: a step never trains fewer than ceil(num_prompts_per_step * this) groups.
+    min_step_batch_fraction: float = Field(0.5, gt=0.0, le=1.0)
+    # replace: how many spare prompts the replacement reserve holds.
+    replacement_reserve_size: int = Field(0, ge=0)
+    # Per-request deadlines; None disables. Clocks stop while a colocated engine stands down.
+    generation_timeout_s: float | None = Field(None, gt=0.0)
+    rollout_timeout_s: float | None = Field(None, gt=0.0)
+
+
+class StallWatchdogConfig(Strict):
+    enabled: bool = True
+    # No step trained and no group committed for this long counts as a stall.
+    timeout_s: float = Field(300.0, gt=0.0)
+    action: Literal["warn", "abort"] = "warn"
+
+
+class AsyncRLConfig(Strict):
+    sampler: SamplerConfig = InOrderSamplerConfig(name="in_order", max_lookahead_versions=1)
+    min_groups_for_streaming_train: int = Field(16, ge=1)
+    # Hard cap on unconsumed rollout groups (reserved + ready) held in the buffer.
+    max_buffered_rollouts: int = Field(32, ge=1)
+    # Backpressure cap on prompt groups being generated at once.
+    max_inflight_prompts: int = Field(32, ge=1)
+    recompute_kv_cache_after_weight_updates: bool = False
+    rollout_failure: RolloutFailureConfig = RolloutFailureConfig()
+    stall_watchdog: StallWatchdogConfig = StallWatchdogConfig()
+
+
+# --------------------------------------------------------------------------- data plane, checkpoints
+
+
+class DataPlaneConfig(Strict):
+    enabled: bool = True
+    backend: Literal["local", "simple", "mooncake"] = "local"
+    # simple (TransferQueue) only:
+    num_storage_units: int = Field(1, ge=1)
+    call_timeout_s: float = Field(60.0, gt=0.0)
+
+
+class CheckpointingConfig(Strict):
+    enabled: bool = False
+    checkpoint_dir: str = "checkpoints/run"
+    save_period: int = Field(10, ge=1)
+    save_data_plane: bool = False
+    save_optimizer: bool = True
+    # Trainer checkpoints kept on disk (oldest removed first); None keeps all.
+    keep_top_k: int | None = Field(None, ge=1)
+
+
+class RolloutCheckpointingConfig(Strict):
+    # None: periodic rollout snapshots off.
+    snapshot_attempt_interval_s: float | None = Field(None, gt=0.0)
+    keep_latest_k: int = 2
+    restore_mode: str = "latest"
+    extra_fingerprint_excluded_paths: list[str] = []
+
+
+class TokenCaptureConfig(Strict):
+    enabled: bool = False
+
+
+Granularity = Literal["sibling", "prompt_group"]
+
+
+class RolloutRecoveryConfig(Strict):
+    default_granularity: Granularity = "sibling"
+    task_source_granularity_overrides: dict[str, Granularity] = {}
+    agent_granularity_overrides: dict[str, Granularity] = {}
+
+
+# --------------------------------------------------------------------------- project blocks
+
+
+class DataConfig(Strict):
+    # "builtin://counting" (the default task), "builtin://math", or a JSONL file path.
+    dataset: str = "builtin://counting"
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    task_source_key: str = "task_source"
+    agent_ref_key: str = "agent_ref"
+    # Built-in synthetic datasets: how many prompts one epoch holds.
+    num_prompts: int = Field(4096, ge=1)
+    shuffle: bool = True
+    seed: int = 0
+
+
+class EnvConfig(Strict):
+    name: Literal["counting", "math", "custom"] = "counting"
+    # env.name == custom: "module:ClassName" of an Environment subclass.
+    target: str | None = None
+    kwargs: dict[str, Any] = {}
+
+
+class ClusterConfig(Strict):
+    # None: start an embedded local Ray instance; otherwise the address of an existing cluster.
+    address: str | None = None
+    num_cpus: int | None = Field(None, ge=1)
+    num_gpus: int | None = Field(None, ge=0)
+    namespace: str = "tandemrl"
+
+
+class LoggerConfig(Strict):
+    log_dir: str = "runs/latest"
+    jsonl: bool = True
+    tensorboard: bool = True
+    plot: bool = True
+    progress: bool = True
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+
+class MasterConfig(Strict):
+    policy: PolicyConfig = PolicyConfig()
+    grpo: GRPOConfig | None = None
+    ppo: PPOConfig | None = None
+    value: ValueConfig | None = None
+    value_loss_fn: ValueLossConfig | None = None
+    loss_fn: LossConfig = LossConfig()
+    async_rl: AsyncRLConfig = AsyncRLConfig()
+    data_plane: DataPlaneConfig = DataPlaneConfig()
+    checkpointing: CheckpointingConfig = CheckpointingConfig()
+    rollout_checkpointing: RolloutCheckpointingConfig = RolloutCheckpointingConfig()
+    token_capture: TokenCaptureConfig = TokenCaptureConfig()
+    rollout_recovery: RolloutRecoveryConfig = RolloutRecoveryConfig()
+    data: DataConfig = DataConfig()
+    env: EnvConfig = EnvConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    logger: LoggerConfig = LoggerConfig()
+
+    @property
+    def algorithm(self) -> GRPOConfig | PPOConfig:
+        """The one algorithm block present (validation guarantees exactly one)."""
+        block = self.ppo if self.ppo is not None else self.grpo
+        if block is None:
+            raise ValueError("config has neither grpo: nor ppo:")
+        return block
+
+    @property
+    def is_ppo(self) -> bool:
+        return self.ppo is not None

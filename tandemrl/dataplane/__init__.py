@@ -1,0 +1,1 @@
+"""dataplane package."""

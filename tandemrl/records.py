@@ -1,0 +1,83 @@
+"""Records that cross module boundaries: prompts, generation requests and results, row metadata.
+
+Plain dataclasses (picklable, cheap to send between Ray processes). Tensors never live here:
+rows of tensors live in the data plane, keyed by ``sample_id``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    """One prompt drawn from the dataloader; a prompt group is its N generations."""
+
+    prompt_id: str  # stable across restarts: f"e{epoch}-i{index}" for dataloader prompts
+    epoch: int
+    index: int  # position in the epoch's order
+    prompt: str
+    answer: Any = None
+    task_source: str | None = None
+    agent_ref: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+
+FinishReason = Literal["stop", "length", "aborted"]
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    # log p(token) under the weights that sampled it, one per generated token.
+    logprobs: list[float]
+    finish_reason: FinishReason
+    # Weight version that produced each generated token (in-flight updates can change it
+    # mid-sequence); empty when no token was generated.
+    token_weight_versions: list[int] = field(default_factory=list)
+    # Version the engine had when the request started.
+    start_weight_version: int = 0
+
+    @property
+    def end_weight_version(self) -> int:
+        if self.token_weight_versions:
+            return self.token_weight_versions[-1]
+        return self.start_weight_version
+
+
+@dataclass(frozen=True)
+class EnvResult:
+    reward: float
+    # False: the environment flags this completion as not to be trained on (sample_mask = 0).
+    keep: bool = True
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RowMeta:
+    """Metadata of one training row (one generation of a group), kept in the replay buffer."""
+
+    sample_id: str
+    group_id: str
+    sibling_index: int
+    reward: float
+    sample_mask: float  # 0.0 excludes the row from the loss (env flag or overlong filter)
+    num_prompt_tokens: int
+    num_completion_tokens: int
+    truncated: bool
+    start_weight_version: int
+    end_weight_version: int
