@@ -1,1 +1,69 @@
-"""envs package."""
+"""Environments: score one completion of one prompt (reward, keep flag, metadata).
+
+``create_environment(cfg)`` builds the environment that ``env:`` names: the built-in
+``counting`` task (the tiny default model learns it), ``math`` (verifiable arithmetic
+answers) or ``custom`` (``env.target: "module:ClassName"``, an ``Environment`` subclass),
+each constructed with ``env.kwargs``.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from tandemrl.config.models import EnvConfig
+from tandemrl.envs.base import Environment
+from tandemrl.envs.counting import CountingEnv
+from tandemrl.envs.math import MathEnv
+
+BUILTIN_ENVIRONMENTS: dict[str, type[Environment]] = {"counting": CountingEnv, "math": MathEnv}
+
+
+def import_environment_class(target: str) -> type[Environment]:
+    """Import ``"module:ClassName"`` and check that it is an ``Environment`` subclass."""
+    module_name, separator, class_name = target.partition(":")
+    if not separator or not module_name or not class_name:
+        raise ValueError(f"env.target={target!r} must have the form 'module:ClassName'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ImportError(
+            f"env.target={target!r}: cannot import module {module_name!r}: {error}"
+        ) from error
+    env_class = getattr(module, class_name, None)
+    if env_class is None:
+        raise ImportError(f"env.target={target!r}: module {module_name!r} has no {class_name!r}")
+    if not isinstance(env_class, type) or not issubclass(env_class, Environment):
+        raise TypeError(
+            f"env.target={target!r} is not a subclass of tandemrl.envs.base.Environment"
+        )
+    return env_class
+
+
+def create_environment(cfg: EnvConfig) -> Environment:
+    if cfg.name == "custom":
+        if not cfg.target:
+            raise ValueError("env.name is 'custom' but env.target is not set ('module:ClassName')")
+        env_class = import_environment_class(cfg.target)
+        described = f"env.target={cfg.target!r}"
+    else:
+        if cfg.target is not None:
+            raise ValueError(
+                f"env.target={cfg.target!r} is only used with env.name: custom "
+                f"(env.name is {cfg.name!r}); remove env.target or set env.name: custom"
+            )
+        env_class = BUILTIN_ENVIRONMENTS[cfg.name]
+        described = f"env.name={cfg.name!r}"
+    try:
+        return env_class(**cfg.kwargs)
+    except TypeError as error:
+        raise TypeError(f"{described}: env.kwargs {cfg.kwargs!r} rejected: {error}") from error
+
+
+__all__ = [
+    "BUILTIN_ENVIRONMENTS",
+    "CountingEnv",
+    "Environment",
+    "MathEnv",
+    "create_environment",
+    "import_environment_class",
+]

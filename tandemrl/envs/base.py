@@ -16,3 +16,9 @@ class Environment(ABC):
     @abstractmethod
     def score(self, item: PromptItem, completion: str, *, truncated: bool) -> EnvResult:
         """Reward (and keep flag, metadata) for ``completion`` of ``item``."""
+
+    def item_metadata(self, item: PromptItem) -> dict[str, object]:
+        """Metadata every environment attaches: the prompt's ``task_source`` when it has one."""
+        if item.task_source is None:
+            return {}
+        return {"task_source": item.task_source}

@@ -1,0 +1,152 @@
+"""Prompt datasets: JSONL files mapped through ``data:`` and the built-in datasets.
+
+``load_prompt_records(cfg)`` returns the dataset as an ordered list of ``PromptRecord``.
+Sources (``data.dataset``):
+
+- a JSONL file: one JSON object per line; ``data.prompt_key`` and ``data.answer_key`` are
+  required, ``data.task_source_key`` and ``data.agent_ref_key`` optional; any other field is
+  kept in the record's metadata. Blank lines are skipped; any bad line is an error that names
+  the file, the line number and the field.
+- ``builtin://counting``: ``data.num_prompts`` prompts of three random digits and ``=``
+  (``583=`` → ``456``), drawn from ``random.Random(data.seed)`` so every run gets the same list.
+- ``builtin://math``: the bundled ``math_small.jsonl`` (arithmetic such as ``12+7=``); its
+  size is fixed, so ``data.num_prompts`` does not apply to it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from tandemrl.config.models import DataConfig
+from tandemrl.envs.counting import continue_count
+
+BUILTIN_PREFIX = "builtin://"
+COUNTING_PROMPT_DIGITS = 3
+MATH_SMALL_FILE = "math_small.jsonl"
+
+
+class DatasetError(ValueError):
+    """A dataset that cannot be loaded; the message names the file, line and field."""
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    """One dataset entry, before the dataloader places it in an epoch."""
+
+    prompt: str
+    answer: Any = None
+    task_source: str | None = None
+    agent_ref: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return {
+            "prompt": self.prompt,
+            "answer": self.answer,
+            "task_source": self.task_source,
+            "agent_ref": self.agent_ref,
+            "metadata": self.metadata,
+        }
+
+
+def dataset_fingerprint(records: list[PromptRecord]) -> str:
+    """sha256 over the records in order (prompt, answer, task_source, agent_ref, metadata)."""
+    digest = hashlib.sha256()
+    for record in records:
+        line = json.dumps(record.to_json_dict(), sort_keys=True, separators=(",", ":"), default=str)
+        digest.update(line.encode("utf-8"))
+        digest.update(b"\n")
+    return digest.hexdigest()
+
+
+def generate_counting_records(num_prompts: int, seed: int) -> list[PromptRecord]:
+    """``num_prompts`` counting prompts from a private ``random.Random(seed)``."""
+    rng = random.Random(seed)
+    records = []
+    for _ in range(num_prompts):
+        digits = [rng.randrange(10) for _ in range(COUNTING_PROMPT_DIGITS)]
+        prompt = "".join(str(digit) for digit in digits) + "="
+        records.append(PromptRecord(prompt=prompt, answer=continue_count(digits[-1])))
+    return records
+
+
+def _optional_string(row: dict[str, Any], key: str, where: str, dotpath: str) -> str | None:
+    value = row.get(key)
+    if value is None or isinstance(value, str):
+        return value
+    raise DatasetError(
+        f"{where}: field {key!r} ({dotpath}) must be a string, got {type(value).__name__}"
+    )
+
+
+def parse_jsonl_line(line: str, cfg: DataConfig, where: str) -> PromptRecord:
+    """One JSONL line → record; ``where`` is ``"<file>:<line>"`` for error messages."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise DatasetError(f"{where}: invalid JSON: {error.msg} (column {error.colno})") from error
+    if not isinstance(row, dict):
+        raise DatasetError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    for key, dotpath in ((cfg.prompt_key, "data.prompt_key"), (cfg.answer_key, "data.answer_key")):
+        if key not in row:
+            raise DatasetError(
+                f"{where}: missing field {key!r} ({dotpath}); fields present: {sorted(row)}"
+            )
+    prompt = row[cfg.prompt_key]
+    if not isinstance(prompt, str) or not prompt:
+        raise DatasetError(
+            f"{where}: field {cfg.prompt_key!r} (data.prompt_key) must be a non-empty string, "
+            f"got {prompt!r}"
+        )
+    mapped = {cfg.prompt_key, cfg.answer_key, cfg.task_source_key, cfg.agent_ref_key}
+    return PromptRecord(
+        prompt=prompt,
+        answer=row[cfg.answer_key],
+        task_source=_optional_string(row, cfg.task_source_key, where, "data.task_source_key"),
+        agent_ref=_optional_string(row, cfg.agent_ref_key, where, "data.agent_ref_key"),
+        metadata={key: value for key, value in row.items() if key not in mapped},
+    )
+
+
+def parse_jsonl_text(text: str, cfg: DataConfig, source: str) -> list[PromptRecord]:
+    records = []
+    for line_number, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
+            records.append(parse_jsonl_line(line, cfg, f"{source}:{line_number}"))
+    if not records:
+        raise DatasetError(f"{source}: the dataset holds no prompts (data.dataset)")
+    return records
+
+
+def load_jsonl(path: str | Path, cfg: DataConfig) -> list[PromptRecord]:
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetError(f"data.dataset={str(path)!r}: no such file")
+    return parse_jsonl_text(path.read_text(encoding="utf-8"), cfg, str(path))
+
+
+def _load_math_small() -> list[PromptRecord]:
+    # The bundled file uses the default field names whatever data.*_key say.
+    text = resources.files("tandemrl.data").joinpath(MATH_SMALL_FILE).read_text(encoding="utf-8")
+    return parse_jsonl_text(text, DataConfig(), f"{BUILTIN_PREFIX}math ({MATH_SMALL_FILE})")
+
+
+def load_prompt_records(cfg: DataConfig) -> list[PromptRecord]:
+    """The dataset ``data.dataset`` names, in its stored (unshuffled) order."""
+    if cfg.dataset.startswith(BUILTIN_PREFIX):
+        name = cfg.dataset.removeprefix(BUILTIN_PREFIX)
+        if name == "counting":
+            return generate_counting_records(cfg.num_prompts, cfg.seed)
+        if name == "math":
+            return _load_math_small()
+        raise DatasetError(
+            f"data.dataset={cfg.dataset!r}: unknown built-in dataset; "
+            "use builtin://counting, builtin://math or a JSONL file path"
+        )
+    return load_jsonl(cfg.dataset, cfg)

@@ -1,0 +1,97 @@
+"""The counting task: continue counting from the prompt's last digit.
+
+``583=`` asks for ``456``: the digits after the last digit of the prompt (before ``=``),
+wrapping 9 → 0. The reward gives partial credit per position:
+
+    reward = (positions where completion and target agree) / max(len(target), len(completion))
+
+so a completion that is too long or too short is penalised by the longer length. The
+completion is cut at the first end-of-sequence marker and stripped of whitespace first. The
+tiny default model learns this in under a minute on one CPU thread (docs: FIELD-NOTES).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tandemrl.envs.base import Environment
+from tandemrl.records import EnvResult, PromptItem
+
+# Markers a tokenizer may decode at the end of a completion; text after the first is ignored.
+DEFAULT_EOS_STRINGS: tuple[str, ...] = ("<eos>", "</s>", "<|endoftext|>", "<|im_end|>")
+DEFAULT_ANSWER_LENGTH = 3
+
+
+def continue_count(last_digit: int, length: int = DEFAULT_ANSWER_LENGTH) -> str:
+    """The ``length`` digits after ``last_digit``, wrapping 9 → 0: ``continue_count(3) == "456"``."""
+    if not 0 <= last_digit <= 9:
+        raise ValueError(f"last_digit must be 0..9, got {last_digit}")
+    if length < 1:
+        raise ValueError(f"answer length must be at least 1, got {length}")
+    return "".join(str((last_digit + offset) % 10) for offset in range(1, length + 1))
+
+
+def counting_target(prompt: str, length: int = DEFAULT_ANSWER_LENGTH) -> str:
+    """The target for a counting prompt such as ``"583="``: continue from its last digit."""
+    body = prompt.rstrip()
+    body = body.removesuffix("=").rstrip()
+    if not body or not body[-1].isdigit():
+        raise ValueError(
+            f"counting prompt {prompt!r} does not end in a digit followed by '=' (like '583=')"
+        )
+    return continue_count(int(body[-1]), length)
+
+
+def clean_completion(completion: str, eos_strings: Sequence[str] = DEFAULT_EOS_STRINGS) -> str:
+    """Cut at the first end-of-sequence marker, then strip surrounding whitespace."""
+    cut = len(completion)
+    for marker in eos_strings:
+        position = completion.find(marker)
+        if position != -1:
+            cut = min(cut, position)
+    return completion[:cut].strip()
+
+
+def positional_match_reward(target: str, completion: str) -> float:
+    """Per-position matches ÷ max(len(target), len(completion)); 0.0 when both are empty."""
+    longest = max(len(target), len(completion))
+    if longest == 0:
+        return 0.0
+    matches = sum(1 for expected, got in zip(target, completion, strict=False) if expected == got)
+    return matches / longest
+
+
+class CountingEnv(Environment):
+    """Scores counting completions with partial per-position credit.
+
+    The target is the prompt's ``answer`` when the dataset provides one, otherwise it is
+    derived from the prompt with ``answer_length`` digits.
+    """
+
+    def __init__(
+        self,
+        answer_length: int = DEFAULT_ANSWER_LENGTH,
+        eos_strings: Sequence[str] = DEFAULT_EOS_STRINGS,
+    ) -> None:
+        if answer_length < 1:
+            raise ValueError(f"env.kwargs.answer_length must be at least 1, got {answer_length}")
+        self.answer_length = answer_length
+        self.eos_strings = tuple(eos_strings)
+
+    def target_for(self, item: PromptItem) -> str:
+        if item.answer is not None:
+            return str(item.answer).strip()
+        return counting_target(item.prompt, self.answer_length)
+
+    def score(self, item: PromptItem, completion: str, *, truncated: bool) -> EnvResult:
+        target = self.target_for(item)
+        cleaned = clean_completion(completion, self.eos_strings)
+        reward = positional_match_reward(target, cleaned)
+        metadata: dict[str, object] = {
+            "target": target,
+            "completion": cleaned,
+            "exact_match": cleaned == target,
+            "truncated": truncated,
+        }
+        metadata.update(self.item_metadata(item))
+        return EnvResult(reward=reward, metadata=metadata)
