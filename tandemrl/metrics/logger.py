@@ -1,0 +1,235 @@
+"""Per-step metrics: ``<log_dir>/metrics.jsonl``, TensorBoard scalars, a plot at the end.
+
+``MetricsLogger.log_step(metrics)`` takes one train step's metrics, refuses it when a required
+field (``REQUIRED_FIELDS``) is missing or the step does not come after the last one, then:
+
+- appends one JSON object as one line to ``metrics.jsonl`` and flushes it (``logger.jsonl``);
+- writes every numeric field as a TensorBoard scalar at that step (``logger.tensorboard``);
+- updates the progress display (rich bar, or one log line per step).
+
+``close()`` writes ``reward_throughput.png`` (reward_mean and tokens_per_s per step, two
+panels) when ``logger.plot`` is on and at least one step was logged.
+
+Restarts: an existing ``metrics.jsonl`` is appended to, never truncated. With
+``resume_step=N`` the file is first rewritten atomically keeping only lines with
+``step < N`` (steps at or after the checkpoint are trained again and logged again); pass
+``resume_step=0`` to start a fresh run in a used ``log_dir``. A torn last line (the process
+was killed mid-write) is dropped with a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TextIO
+
+from rich.console import Console
+
+from tandemrl.config.models import LoggerConfig
+from tandemrl.metrics.progress import ProgressDisplay
+
+logger = logging.getLogger(__name__)
+
+REQUIRED_FIELDS: tuple[str, ...] = (
+    "step",
+    "trainer_version",
+    "reward_mean",
+    "staleness_mean",
+    "staleness_max",
+    "groups_trained",
+    "tokens_per_s",
+    "step_time_s",
+    "weight_sync_s",
+)
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "reward_throughput.png"
+TENSORBOARD_DIR = "tensorboard"
+
+
+def _to_json_value(value: Any) -> Any:
+    # numpy and torch scalars carry .item(); anything else is a caller bug worth a clear error.
+    if hasattr(value, "item"):
+        return value.item()
+    raise TypeError(f"metric value {value!r} of type {type(value).__name__} is not JSON")
+
+
+def _read_metrics_lines(path: Path) -> tuple[list[dict[str, Any]], bool, bool]:
+    """Parsed lines of ``path``; whether a torn last line was dropped; whether to rewrite."""
+    text = path.read_text(encoding="utf-8")
+    lines = text.splitlines()
+    records: list[dict[str, Any]] = []
+    dropped_torn = False
+    for line_number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            if line_number == len(lines):
+                dropped_torn = True
+                break
+            raise ValueError(f"{path}:{line_number}: not a JSON line ({error.msg})") from error
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise ValueError(f"{path}:{line_number}: not a metrics line (no integer 'step')")
+        records.append(record)
+    # A last line without its newline would glue the next appended line onto it.
+    needs_rewrite = dropped_torn or (bool(text) and not text.endswith("\n"))
+    return records, dropped_torn, needs_rewrite
+
+
+def _atomic_write_lines(path: Path, records: list[dict[str, Any]]) -> None:
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            for record in records:
+                handle.write(json.dumps(record, default=_to_json_value) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp_name, path)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+
+
+class MetricsLogger:
+    def __init__(
+        self,
+        cfg: LoggerConfig,
+        *,
+        resume_step: int | None = None,
+        total_steps: int | None = None,
+        console: Console | None = None,
+    ) -> None:
+        if resume_step is not None and resume_step < 0:
+            raise ValueError(f"resume_step must be >= 0, got {resume_step}")
+        self.cfg = cfg
+        self.log_dir = Path(cfg.log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.log_dir / METRICS_FILE
+        self.plot_path = self.log_dir / PLOT_FILE
+        # (step, reward_mean, tokens_per_s) of every step in this run's history, for the plot.
+        self._history: list[tuple[int, float, float]] = []
+        self._last_step: int | None = None
+        self._closed = False
+
+        self._jsonl: TextIO | None = None
+        if cfg.jsonl:
+            self._restore_jsonl(resume_step)
+            self._jsonl = self.metrics_path.open("a", encoding="utf-8")
+        elif resume_step is not None:
+            self._last_step = resume_step - 1
+
+        self._writer = None
+        if cfg.tensorboard:
+            # Imported here: it is slow to import and runs without TensorBoard do not need it.
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(
+                log_dir=str(self.log_dir / TENSORBOARD_DIR), purge_step=resume_step
+            )
+
+        self.progress = ProgressDisplay(
+            enabled=cfg.progress,
+            total_steps=total_steps,
+            initial_step=resume_step or 0,
+            console=console,
+        )
+
+    def _restore_jsonl(self, resume_step: int | None) -> None:
+        if self.metrics_path.exists():
+            records, dropped_torn, needs_rewrite = _read_metrics_lines(self.metrics_path)
+            if dropped_torn:
+                logger.warning("%s: dropped a torn last line (killed mid-write)", self.metrics_path)
+            kept = records
+            if resume_step is not None:
+                kept = [record for record in records if record["step"] < resume_step]
+            if needs_rewrite or len(kept) != len(records):
+                _atomic_write_lines(self.metrics_path, kept)
+            for record in kept:
+                self._remember(record)
+        if resume_step is not None:
+            # Every kept line has step < resume_step; the resumed run logs resume_step next.
+            self._last_step = resume_step - 1
+
+    def _remember(self, record: Mapping[str, Any]) -> None:
+        step = int(record["step"])
+        reward = float(record.get("reward_mean", math.nan))
+        throughput = float(record.get("tokens_per_s", math.nan))
+        self._history.append((step, reward, throughput))
+        self._last_step = step
+
+    def log_step(self, metrics: Mapping[str, Any]) -> None:
+        if self._closed:
+            raise RuntimeError("MetricsLogger.log_step() after close()")
+        missing = [name for name in REQUIRED_FIELDS if name not in metrics]
+        if missing:
+            raise ValueError(
+                f"step metrics lack required fields {missing}; every step must report "
+                f"{list(REQUIRED_FIELDS)}"
+            )
+        step = metrics["step"]
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise TypeError(f"metrics 'step' must be an int, got {step!r}")
+        if self._last_step is not None and step <= self._last_step:
+            raise ValueError(
+                f"step {step} does not come after step {self._last_step} already in "
+                f"{self.metrics_path}; on a restart pass resume_step (0 starts the file over)"
+            )
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(dict(metrics), default=_to_json_value) + "\n")
+            self._jsonl.flush()
+        if self._writer is not None:
+            for name, value in metrics.items():
+                if (
+                    name != "step"
+                    and isinstance(value, int | float)
+                    and not isinstance(value, bool)
+                ):
+                    self._writer.add_scalar(name, value, global_step=step)
+            self._writer.flush()
+        self._remember(metrics)
+        self.progress.update(metrics)
+
+    def close(self) -> None:
+        """Close files and the display; write the plot (when on). Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self.progress.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._writer is not None:
+            self._writer.close()
+        if self.cfg.plot and self._history:
+            self.write_plot()
+
+    def write_plot(self) -> Path:
+        # Figure + Agg canvas directly: no pyplot global state, no GUI backend switch.
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        steps = [step for step, _, _ in self._history]
+        figure = Figure(figsize=(8, 6), layout="constrained")
+        FigureCanvasAgg(figure)
+        reward_axes, throughput_axes = figure.subplots(2, 1, sharex=True)
+        reward_axes.plot(steps, [reward for _, reward, _ in self._history], color="tab:blue")
+        reward_axes.set_ylabel("reward_mean")
+        reward_axes.grid(alpha=0.3)
+        throughput_axes.plot(steps, [tps for _, _, tps in self._history], color="tab:orange")
+        throughput_axes.set_ylabel("tokens_per_s")
+        throughput_axes.set_xlabel("step")
+        throughput_axes.grid(alpha=0.3)
+        figure.suptitle("reward and throughput per train step")
+        figure.savefig(self.plot_path, dpi=100)
+        return self.plot_path
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
