@@ -1,0 +1,219 @@
+"""Environments: counting reward formula, math answer extraction, create_environment."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tandemrl.config.models import EnvConfig
+from tandemrl.envs import CountingEnv, MathEnv, create_environment
+from tandemrl.envs.base import Environment
+from tandemrl.envs.counting import clean_completion, continue_count, counting_target
+from tandemrl.envs.math import extract_answer, parse_number
+from tandemrl.records import EnvResult, PromptItem
+
+
+def make_item(prompt: str, answer: object = None, task_source: str | None = None) -> PromptItem:
+    return PromptItem(
+        prompt_id="e0-i0", epoch=0, index=0, prompt=prompt, answer=answer, task_source=task_source
+    )
+
+
+# -- counting ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("prompt", "target"),
+    [("583=", "456"), ("129=", "012"), ("008=", "901"), ("7=", "890"), ("450 = ", "123")],
+)
+def test_counting_target_continues_from_last_digit_and_wraps(prompt: str, target: str) -> None:
+    assert counting_target(prompt) == target
+
+
+def test_continue_count_length() -> None:
+    assert continue_count(8, 5) == "90123"
+    assert continue_count(0, 1) == "1"
+
+
+def test_counting_target_rejects_prompt_without_digit() -> None:
+    with pytest.raises(ValueError, match="does not end in a digit"):
+        counting_target("abc=")
+
+
+@pytest.mark.parametrize(
+    ("completion", "reward"),
+    [
+        ("456", 1.0),
+        ("457", 2 / 3),
+        ("000", 0.0),
+        ("45", 2 / 3),  # shorter: divided by len(target)
+        ("4", 1 / 3),
+        ("4567", 3 / 4),  # longer: divided by len(completion)
+        ("456456", 3 / 6),
+        ("", 0.0),
+        ("  456\n", 1.0),  # whitespace stripped
+        ("456<eos>", 1.0),  # eos stripped
+        ("456</s>999", 1.0),  # text after the first eos ignored
+        ("56", 0.0),  # positions, not substrings
+    ],
+)
+def test_counting_reward_formula(completion: str, reward: float) -> None:
+    result = CountingEnv().score(make_item("583=", "456"), completion, truncated=False)
+    assert result.reward == pytest.approx(reward)
+    assert result.keep is True
+
+
+def test_counting_derives_target_when_item_has_no_answer() -> None:
+    env = CountingEnv(answer_length=4)
+    result = env.score(make_item("129="), "0123", truncated=True)
+    assert result.reward == 1.0
+    assert result.metadata["target"] == "0123"
+    assert result.metadata["exact_match"] is True
+    assert result.metadata["truncated"] is True
+
+
+def test_counting_custom_eos_strings() -> None:
+    env = CountingEnv(eos_strings=("#",))
+    assert env.score(make_item("583=", "456"), "456#12", truncated=False).reward == 1.0
+    assert clean_completion("45<eos>", ("#",)) == "45<eos>"
+
+
+def test_task_source_attached_only_when_present() -> None:
+    with_source = CountingEnv().score(make_item("583=", "456", "count"), "456", truncated=False)
+    without = CountingEnv().score(make_item("583=", "456"), "456", truncated=False)
+    assert with_source.metadata["task_source"] == "count"
+    assert "task_source" not in without.metadata
+    math_result = MathEnv().score(make_item("1+1=", 2, "math/add"), "2", truncated=False)
+    assert math_result.metadata["task_source"] == "math/add"
+
+
+# -- math -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("completion", "answer", "rule"),
+    [
+        ("19", "19", "last"),
+        ("12+7=19", "19", "equals"),
+        ("I think 3 then 4 so 5", "5", "last"),
+        ("The answer: 42. Check: 40+2=42", "42", "answer"),
+        ("answer is: -3", "-3", "answer"),
+        ("so x = 1,024 items", "1,024", "equals"),
+        ("we get \\boxed{3/4} (not 7)", "3/4", "boxed"),
+        ("\\boxed{1} then \\boxed{2.5}", "2.5", "boxed"),
+        ("Answer: 7 = 7.0", "7", "answer"),
+        ("x=.5", ".5", "equals"),
+        ("no digits here", None, "no_number"),
+        ("\\boxed{}", None, "empty_boxed"),
+    ],
+)
+def test_math_extract_answer(completion: str, answer: str | None, rule: str) -> None:
+    assert extract_answer(completion) == (answer, rule)
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("3/4", 0.75), ("-12", -12), ("1,024", 1024), ("2.50", 2.5), (" 6 / 8 ", 0.75), (".5", 0.5)],
+)
+def test_math_parse_number(text: str, value: float) -> None:
+    assert float(parse_number(text)) == pytest.approx(value)
+
+
+@pytest.mark.parametrize(
+    ("completion", "answer", "reward"),
+    [
+        ("19", 19, 1.0),
+        ("19.0", 19, 1.0),
+        ("18", 19, 0.0),
+        ("0.75", "3/4", 1.0),
+        ("6/8", "3/4", 1.0),
+        ("3/4", 0.75, 1.0),
+        ("2/3", "0.6666667", 1.0),  # within the relative tolerance
+        ("0.667", "2/3", 0.0),
+        ("the sum is \\boxed{31.25}", 31.25, 1.0),
+        ("-83", "-83", 1.0),
+        ("83", -83, 0.0),
+    ],
+)
+def test_math_reward(completion: str, answer: object, reward: float) -> None:
+    result = MathEnv().score(make_item("q=", answer), completion, truncated=False)
+    assert result.reward == reward
+    assert result.metadata["malformed"] is False
+    assert result.metadata["correct"] is (reward == 1.0)
+
+
+def test_math_tolerance_is_configurable() -> None:
+    loose = MathEnv(abs_tol=0.01, rel_tol=0.0)
+    assert loose.score(make_item("q=", "2/3"), "0.667", truncated=False).reward == 1.0
+
+
+@pytest.mark.parametrize("completion", ["", "no number", "\\boxed{x}", "1/0"])
+def test_math_flags_malformed_output(completion: str) -> None:
+    result = MathEnv().score(make_item("q=", 4), completion, truncated=True)
+    assert result.reward == 0.0
+    assert result.metadata["malformed"] is True
+    assert result.metadata["truncated"] is True
+
+
+@pytest.mark.parametrize("answer", [None, "four", True, "1/0"])
+def test_math_bad_target_raises(answer: object) -> None:
+    with pytest.raises(ValueError, match="e0-i0"):
+        MathEnv().score(make_item("q=", answer), "4", truncated=False)
+
+
+# -- create_environment -----------------------------------------------------------------------
+
+
+class ConstantEnv(Environment):
+    def __init__(self, reward: float = 0.5) -> None:
+        self.reward = reward
+
+    def score(self, item: PromptItem, completion: str, *, truncated: bool) -> EnvResult:
+        return EnvResult(reward=self.reward)
+
+
+class NotAnEnv:
+    pass
+
+
+def test_create_builtin_environments_with_kwargs() -> None:
+    counting = create_environment(EnvConfig(name="counting", kwargs={"answer_length": 5}))
+    assert isinstance(counting, CountingEnv)
+    assert counting.answer_length == 5
+    assert isinstance(create_environment(EnvConfig(name="math")), MathEnv)
+
+
+def test_create_custom_environment() -> None:
+    env = create_environment(
+        EnvConfig(name="custom", target=f"{__name__}:ConstantEnv", kwargs={"reward": 0.25})
+    )
+    assert isinstance(env, ConstantEnv)
+    assert env.score(make_item("1="), "x", truncated=False).reward == 0.25
+
+
+@pytest.mark.parametrize(
+    ("target", "error", "message"),
+    [
+        ("no_such_module_xyz:Env", ImportError, "env.target='no_such_module_xyz:Env'"),
+        (f"{__name__}:Missing", ImportError, "has no 'Missing'"),
+        (f"{__name__}:NotAnEnv", TypeError, "not a subclass"),
+        ("just_a_module", ValueError, "module:ClassName"),
+        (None, ValueError, "env.target is not set"),
+    ],
+)
+def test_create_custom_environment_errors(target: str | None, error: type, message: str) -> None:
+    with pytest.raises(error, match=re.escape(message)):
+        create_environment(EnvConfig(name="custom", target=target))
+
+
+def test_create_environment_rejects_bad_kwargs_and_stray_target() -> None:
+    with pytest.raises(TypeError, match=r"env\.kwargs"):
+        create_environment(EnvConfig(name="math", kwargs={"tolerance": 1}))
+    with pytest.raises(ValueError, match=r"env\.name: custom"):
+        create_environment(EnvConfig(name="counting", target="x:Y"))
+
+
+def test_scoring_errors_propagate() -> None:
+    with pytest.raises(ValueError, match="does not end in a digit"):
+        CountingEnv().score(make_item("no digits="), "123", truncated=False)
