@@ -39,12 +39,16 @@ class Trainer(Protocol):
         """Zero gradients; the chunks that follow accumulate into one optimizer step."""
 
     async def train_microbatches(
-        self, batch: TrainBatch, *, step_num_sequences: int
+        self, batch: TrainBatch, *, step_num_sequences: int, step_num_tokens: int | None = None
     ) -> dict[str, float]:
         """Forward/backward over ``batch`` in micro-batches, accumulating gradients.
 
         ``step_num_sequences`` is the size of the whole RL step, so that a step split across
-        chunks weighs every sequence exactly as the unsplit step would.
+        chunks weighs every sequence exactly as the unsplit step would. ``step_num_tokens`` is
+        the whole step's valid-token count, sum(token_mask x sample_mask) over every chunk
+        (``tandemrl.training.batch.count_loss_tokens``): the token-mean loss divides by it.
+        None means "this call is the whole step" and is refused on a second call of a step.
+        0 raises ``AllMaskedStepError``.
         """
 
     async def finish_train_step(self) -> dict[str, float]:
@@ -66,7 +70,7 @@ class ValueTrainer(Protocol):
     async def begin_train_step(self) -> None: ...
 
     async def train_microbatches(
-        self, batch: TrainBatch, *, step_num_sequences: int
+        self, batch: TrainBatch, *, step_num_sequences: int, step_num_tokens: int | None = None
     ) -> dict[str, float]: ...
 
     async def finish_train_step(self) -> dict[str, float]: ...

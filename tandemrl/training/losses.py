@@ -1,0 +1,237 @@
+"""Policy loss (PPO clipped surrogate with importance-sampling correction) and value loss.
+
+Policy loss, per generated token t of a sequence with advantage A_t:
+
+    ratio_t = exp(curr_t - prev_t)                       prev: the trainer's own logprobs
+    surrogate_t = max(-A_t·ratio_t, -A_t·clip(ratio_t, 1 - ratio_clip_min, 1 + ratio_clip_max))
+    loss_t = w_t · surrogate_t - entropy_coef · H_t
+
+``w_t`` corrects for off-policy data: the sampled tokens came from the *generating* weights,
+whose logprobs are ``generation_logprobs``, while the PPO ratio is taken against the trainer's
+``prev_logprobs``. With ``use_importance_sampling_correction``, w_t = exp(prev_t - gen_t),
+detached, shaped by ``importance_sampling.mode``:
+
+- ``tis``: min(w_t, truncation)
+- ``icepop``: w_t where low ≤ w_t ≤ high, else 0 (the token is dropped from the gradient)
+- ``seq-mask-tis``: a sequence whose geometric-mean weight exp(mean_t log w_t) lies outside
+  [low, high] is dropped whole; the others get min(w_t, truncation)
+- ``none``: 1 (the weights are still measured for the metrics)
+
+Normalization (the loss is a sum over the *whole RL step*, which may arrive in chunks):
+
+- ``token_level_loss`` (token mean): loss = Σ_tokens loss_t / N_tokens, where N_tokens is the
+  number of valid tokens (token_mask x sample_mask) of the whole step, passed in as
+  ``num_step_tokens``. Summing the losses (and gradients) of any chunking of the step gives
+  exactly the loss of the unsplit step. Dropped tokens (icepop / seq-mask-tis) stay in
+  N_tokens: the correction removes their gradient, it does not re-weight the others.
+- sequence mean: each sequence's token mean, summed and divided by ``num_step_sequences``
+  (the number of sequences of the whole step; a sequence with sample_mask 0 adds 0).
+
+A step whose valid-token count is 0 raises ``AllMaskedStepError``: every completion was
+filtered, and training on nothing must not pass for a step.
+
+Value loss: ``0.5 · max((V - R)², (V_clipped - R)²)`` with V_clipped the new value clipped to
+``old ± value_clip``, token mean over the step's valid tokens, times ``loss_coef``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandemrl.config.models import LossConfig, ValueLossConfig
+from tandemrl.training.api import TrainBatch
+from tandemrl.training.batch import loss_mask
+
+
+class AllMaskedStepError(ValueError):
+    """Every completion of an RL step is masked out (sample_mask or token_mask all zero)."""
+
+
+def _require(batch: TrainBatch, *keys: str) -> None:
+    missing = [key for key in keys if key not in batch]
+    if missing:
+        raise KeyError(
+            f"train batch lacks {missing}; it has {sorted(batch)}. The advantage stage sets "
+            "'advantages', get_logprobs provides 'prev_logprobs', the value stage "
+            "'values'/'returns'"
+        )
+
+
+def _normalizers(
+    mask: torch.Tensor, num_step_tokens: int | None, num_step_sequences: int | None
+) -> tuple[float, float]:
+    tokens = float(mask.sum().item()) if num_step_tokens is None else float(num_step_tokens)
+    if tokens <= 0:
+        raise AllMaskedStepError(
+            "every completion of this RL step is masked out (token_mask x sample_mask sums "
+            "to 0): there is nothing to train on. Check overlong_filtering / environment "
+            "keep flags, or the step_num_tokens the controller passed"
+        )
+    sequences = float(mask.shape[0]) if num_step_sequences is None else float(num_step_sequences)
+    if sequences <= 0:
+        raise AllMaskedStepError(f"num_step_sequences must be positive, got {num_step_sequences}")
+    return tokens, sequences
+
+
+def _reduce(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    token_level: bool,
+    tokens: float,
+    sequences: float,
+) -> torch.Tensor:
+    if token_level:
+        return (per_token * mask).sum() / tokens
+    per_sequence = (per_token * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
+    return per_sequence.sum() / sequences
+
+
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """[..., V] logits → [...] entropy of the softmax distribution (differentiable)."""
+    logits = logits.float()
+    log_probs = torch.log_softmax(logits, dim=-1)
+    return -(log_probs.exp() * log_probs).sum(dim=-1)
+
+
+def importance_weights(
+    prev_logprobs: torch.Tensor,
+    generation_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: LossConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [B, L] detached, raw weights [B, L]) per the module docstring; 1 when off."""
+    log_w = (prev_logprobs - generation_logprobs).detach().float() * mask
+    raw = torch.exp(log_w)
+    if not cfg.use_importance_sampling_correction:
+        return torch.ones_like(raw), raw
+    is_cfg = cfg.importance_sampling
+    if is_cfg.mode == "none":
+        weights = torch.ones_like(raw)
+    elif is_cfg.mode == "tis":
+        weights = raw.clamp(max=is_cfg.truncation)
+    elif is_cfg.mode == "icepop":
+        keep = (raw >= is_cfg.low) & (raw <= is_cfg.high)
+        weights = torch.where(keep, raw, torch.zeros_like(raw))
+    elif is_cfg.mode == "seq-mask-tis":
+        counts = mask.sum(dim=1).clamp(min=1.0)
+        geometric_mean = torch.exp(log_w.sum(dim=1) / counts)
+        keep_sequence = (geometric_mean >= is_cfg.low) & (geometric_mean <= is_cfg.high)
+        weights = raw.clamp(max=is_cfg.truncation) * keep_sequence.to(raw.dtype)[:, None]
+    else:  # pragma: no cover - the config's Literal forbids other modes
+        raise ValueError(f"unknown importance_sampling.mode {is_cfg.mode!r}")
+    return weights, raw
+
+
+def policy_loss(
+    curr_logprobs: torch.Tensor,
+    batch: TrainBatch,
+    cfg: LossConfig,
+    *,
+    num_step_tokens: int | None = None,
+    num_step_sequences: int | None = None,
+    entropy: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped PPO loss of one (micro-)batch as its share of the whole step's loss.
+
+    ``curr_logprobs`` [B, L] (with grad) are aligned with ``input_ids``; ``batch`` holds
+    ``token_mask``, ``sample_mask``, ``advantages``, ``prev_logprobs``,
+    ``generation_logprobs``. ``num_step_tokens`` / ``num_step_sequences`` are the whole
+    step's normalizers (None: this batch is the whole step). ``entropy`` [B, L] (with grad,
+    from the full logits, e.g. ``token_entropy``) is required when ``cfg.entropy_coef > 0``.
+
+    Metrics (means over this batch's valid tokens; ``num_tokens`` lets callers re-weight):
+    ``loss``, ``ratio_mean``, ``clip_fraction``, ``is_weight_mean``, ``is_weight_max``
+    (raw weights exp(prev - gen)), ``is_masked_fraction`` (tokens the correction dropped),
+    ``kl_gen_trainer`` (k3 estimate of KL(generator ‖ trainer) from the sampled tokens),
+    ``entropy`` (when given), ``num_tokens``.
+    """
+    _require(batch, "token_mask", "sample_mask", "advantages", "prev_logprobs")
+    if cfg.use_importance_sampling_correction:
+        _require(batch, "generation_logprobs")
+    mask = loss_mask(batch).to(curr_logprobs.device)
+    tokens, sequences = _normalizers(mask, num_step_tokens, num_step_sequences)
+    if cfg.entropy_coef > 0 and entropy is None:
+        raise ValueError("loss_fn.entropy_coef > 0 needs the per-token entropy of the logits")
+
+    prev = batch["prev_logprobs"].to(curr_logprobs.device, torch.float32)
+    generation = batch.get("generation_logprobs", prev).to(curr_logprobs.device, torch.float32)
+    advantages = batch["advantages"].to(curr_logprobs.device, torch.float32)
+    curr = curr_logprobs.float()
+
+    # Masked positions may hold arbitrary logprobs; zero the log-ratio there so exp() is safe.
+    log_ratio = (curr - prev) * mask
+    ratio = torch.exp(log_ratio)
+    clipped_ratio = ratio.clamp(1.0 - cfg.ratio_clip_min, 1.0 + cfg.ratio_clip_max)
+    surrogate = torch.maximum(-advantages * ratio, -advantages * clipped_ratio)
+    weights, raw_weights = importance_weights(prev, generation, mask, cfg)
+    per_token = weights * surrogate
+    if entropy is not None and cfg.entropy_coef > 0:
+        per_token = per_token - cfg.entropy_coef * entropy.float()
+    loss = _reduce(
+        per_token, mask, token_level=cfg.token_level_loss, tokens=tokens, sequences=sequences
+    )
+
+    with torch.no_grad():
+        count = mask.sum()
+        denom = count.clamp(min=1.0)
+        clipped = ((-advantages * clipped_ratio) > (-advantages * ratio)).float()
+        dropped = (weights == 0).float() if cfg.use_importance_sampling_correction else None
+        k3 = raw_weights - 1.0 - torch.log(raw_weights)
+        metrics = {
+            "loss": float(loss.item()),
+            "ratio_mean": float(((ratio * mask).sum() / denom).item()),
+            "clip_fraction": float(((clipped * mask).sum() / denom).item()),
+            "is_weight_mean": float(((raw_weights * mask).sum() / denom).item()),
+            "is_weight_max": float(raw_weights.masked_fill(mask == 0, 0.0).max().item())
+            if count.item() > 0
+            else 0.0,
+            "is_masked_fraction": float(((dropped * mask).sum() / denom).item())
+            if dropped is not None
+            else 0.0,
+            "kl_gen_trainer": float(((k3 * mask).sum() / denom).item()),
+            "num_tokens": float(count.item()),
+        }
+        if entropy is not None:
+            metrics["entropy"] = float(((entropy.float() * mask).sum() / denom).item())
+    return loss, metrics
+
+
+def value_loss(
+    values: torch.Tensor,
+    batch: TrainBatch,
+    cfg: ValueLossConfig,
+    *,
+    num_step_tokens: int | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped value loss of [B, L] ``values`` against ``returns`` around the old ``values``.
+
+    ``num_step_tokens`` is the whole step's valid-token count (None: this batch is the step).
+    """
+    _require(batch, "token_mask", "sample_mask", "values", "returns")
+    mask = loss_mask(batch).to(values.device)
+    tokens, _ = _normalizers(mask, num_step_tokens, None)
+    old = batch["values"].to(values.device, torch.float32)
+    returns = batch["returns"].to(values.device, torch.float32)
+    new = values.float()
+    unclipped_error = (new - returns) ** 2
+    if cfg.value_clip is None:
+        per_token = 0.5 * unclipped_error
+        clipped_fraction = torch.zeros_like(per_token)
+    else:
+        clipped_values = old + (new - old).clamp(-cfg.value_clip, cfg.value_clip)
+        clipped_error = (clipped_values - returns) ** 2
+        per_token = 0.5 * torch.maximum(unclipped_error, clipped_error)
+        clipped_fraction = (clipped_error > unclipped_error).float()
+    loss = cfg.loss_coef * (per_token * mask).sum() / tokens
+    with torch.no_grad():
+        denom = mask.sum().clamp(min=1.0)
+        metrics = {
+            "value_loss": float(loss.item()),
+            "value_clip_fraction": float(((clipped_fraction * mask).sum() / denom).item()),
+            "value_mean": float(((new * mask).sum() / denom).item()),
+            "return_mean": float(((returns * mask).sum() / denom).item()),
+            "value_abs_error": float((((new - returns).abs() * mask).sum() / denom).item()),
+            "num_tokens": float(mask.sum().item()),
+        }
+    return loss, metrics
