@@ -1,5 +1,15 @@
 """Configuration: typed models, YAML loading with interpolation and overrides, validation."""
 
+from tandemrl.config.capacity import required_buffer_capacity
+from tandemrl.config.loader import config_to_dict, load_config
 from tandemrl.config.models import MasterConfig
+from tandemrl.config.validate import ConfigError, validate_single_controller_config
 
-__all__ = ["MasterConfig"]
+__all__ = [
+    "ConfigError",
+    "MasterConfig",
+    "config_to_dict",
+    "load_config",
+    "required_buffer_capacity",
+    "validate_single_controller_config",
+]

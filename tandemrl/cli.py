@@ -1,0 +1,147 @@
+"""The ``tandemrl`` command: ``train``, ``validate`` and ``inspect``.
+
+``validate`` is the dry run: it loads the config exactly as ``train`` would (overrides,
+interpolation, key and type checks, every cross-field rule) and starts nothing. Exit codes:
+0 valid, 2 invalid config or a part of TandemRL that is not available.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import yaml
+
+from tandemrl.config import (
+    ConfigError,
+    MasterConfig,
+    config_to_dict,
+    load_config,
+    validate_single_controller_config,
+)
+
+EXIT_OK = 0
+EXIT_INVALID = 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _build_parser()
+    # argparse gives a '*' positional only its first run of values; overrides written after
+    # an option (``--config F a=1 --print b=2``) arrive as extras, in order.
+    args, extras = parser.parse_known_args(argv)
+    unknown = [extra for extra in extras if extra.startswith("-") or "overrides" not in args]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if extras:
+        args.overrides = [*args.overrides, *extras]
+    return int(args.handler(args))
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tandemrl", description="Asynchronous RL post-training (GRPO, PPO)."
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    train = commands.add_parser("train", help="train from a config")
+    _add_config_arguments(train)
+    train.set_defaults(handler=_train)
+
+    validate = commands.add_parser("validate", help="check a config without starting anything")
+    _add_config_arguments(validate)
+    validate.add_argument("--print", action="store_true", help="print the resolved config as YAML")
+    validate.set_defaults(handler=_validate)
+
+    inspect = commands.add_parser(
+        "inspect", help="show what a checkpoint holds and what a restart would resume"
+    )
+    inspect.add_argument("path", help="checkpoint directory")
+    inspect.set_defaults(handler=_inspect)
+    return parser
+
+
+def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="YAML master config")
+    parser.add_argument(
+        "overrides", nargs="*", metavar="a.b.c=value", help="override config values"
+    )
+
+
+def _load_and_validate(args: argparse.Namespace) -> MasterConfig | None:
+    """The validated config, or None after printing every problem to stderr."""
+    try:
+        cfg = load_config(args.config, args.overrides)
+        warnings = validate_single_controller_config(cfg)
+    except ConfigError as exc:
+        print(f"{args.config}: invalid config", file=sys.stderr)
+        for message in exc.messages:
+            print(message, file=sys.stderr)
+        return None
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    return cfg
+
+
+def _validate(args: argparse.Namespace) -> int:
+    cfg = _load_and_validate(args)
+    if cfg is None:
+        return EXIT_INVALID
+    if args.print:
+        print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
+    else:
+        print(f"{args.config}: valid")
+    return EXIT_OK
+
+
+def _train(args: argparse.Namespace) -> int:
+    cfg = _load_and_validate(args)
+    if cfg is None:
+        return EXIT_INVALID
+    run_training = _import_part(
+        "tandemrl.controller.run", "run_training", "the training controller"
+    )
+    if run_training is None:
+        return EXIT_INVALID
+    result = run_training(cfg)
+    return result if isinstance(result, int) else EXIT_OK
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    inspect_command = _import_part(
+        "tandemrl.checkpoint.inspect", "inspect_command", "checkpoint inspection"
+    )
+    if inspect_command is None:
+        return EXIT_INVALID
+    return int(inspect_command(args.path))
+
+
+def _import_part(module_name: str, attribute: str, what: str) -> Any:
+    """Import ``module_name.attribute`` lazily; None (after a message) when not built yet.
+
+    Only a missing ``module_name`` (or its ``attribute``) counts as "not built yet"; any
+    other import failure, such as a missing third-party dependency, propagates.
+    """
+    try:
+        module = __import__(module_name, fromlist=[attribute])
+    except ModuleNotFoundError as exc:
+        missing = exc.name or ""
+        if not (module_name == missing or module_name.startswith(missing + ".")):
+            raise
+        print(
+            f"tandemrl: {what} ({module_name}) is not built yet in this checkout",
+            file=sys.stderr,
+        )
+        return None
+    part = getattr(module, attribute, None)
+    if part is None:
+        print(
+            f"tandemrl: {what} is not built yet: {module_name} has no {attribute}",
+            file=sys.stderr,
+        )
+    return part
+
+
+if __name__ == "__main__":
+    sys.exit(main())
