@@ -1,0 +1,594 @@
+"""In-process generation with a transformers causal LM: continuous batching over a KV cache.
+
+State machine (one decode step at a time, under ``_step_lock``):
+
+- ``generate`` puts its requests on a queue and waits for their futures.
+- The background decode loop (an asyncio task) runs one *step* at a time in a one-thread
+  executor, so the event loop keeps accepting requests, weight updates and aborts meanwhile.
+  A step (1) rebuilds the KV cache if a weight update or a stand-down asked for it,
+  (2) admits queued requests up to ``max_batch_size`` by prefilling their prompts and merging
+  their caches into the running batch, (3) feeds every running sequence's last token through
+  the model once, samples one token per sequence and (4) retires finished sequences.
+- Continuous batching: new requests join the running batch at the next step boundary, they do
+  not wait for a "wave" to finish. The batch is left-padded; merging pads the shorter cache on
+  the left with masked zeros; retiring drops rows and trims columns no row uses any more.
+  Positions are ``cumsum(attention_mask) - 1`` so padding never shifts a sequence.
+- ``update_weights`` and ``sleep`` take the step lock, so they land between two steps. With
+  ``recompute_kv_cache_after_weight_updates`` the in-flight sequences' cache is recomputed by
+  one prefill over their tokens with the new weights before the next step; otherwise the cache
+  computed under the old weights is kept (the next tokens mix old keys/values with new weights,
+  which is what most async RL systems accept for throughput).
+- ``sleep`` stops decoding (in-flight requests freeze, new ones queue); on CUDA it also drops
+  the KV cache and empties the allocator cache, and the cache is recomputed on the first step
+  after ``wake``. ``frozen_time()`` is the total time spent asleep, for deadline clocks.
+
+Logprob convention (the trainer must reproduce it):
+    ``logprobs[i] = log_softmax(logits / temperature)[token_ids[i]]`` for ``temperature > 0``,
+    and ``log_softmax(logits)`` (temperature 1) for greedy requests (``temperature == 0``).
+    Logits are the raw model outputs in float32: top-p truncation changes *which* token is
+    drawn but not the reported logprob (it is the untruncated tempered distribution), and no
+    other logits processing exists. With the default ``temperature = 1`` this is exactly the
+    plain ``log_softmax`` of the forward pass, which a trainer recomputes to within 1e-5.
+    A stop token that ends a sequence is included in ``token_ids`` (with its logprob), so the
+    policy learns to stop.
+
+Determinism: a request with ``seed`` draws its uniforms from its own ``random.Random(seed)``,
+so its samples do not depend on which other requests share the batch (up to floating-point
+differences of batched matrix products on near-ties). Requests without a seed draw from the
+engine's generator (``seed`` of the constructor).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from tandemrl.generation.base import GenerationBackend, GenerationError
+from tandemrl.models import load_causal_lm, resolve_device
+from tandemrl.records import FinishReason, GenerationRequest, GenerationResult
+
+logger = logging.getLogger(__name__)
+
+KeyValues = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class EngineStats:
+    """Counters for tests, benchmarks and logs; monotonic over the engine's life."""
+
+    decode_steps: int = 0
+    prefills: int = 0  # prefill forward passes: admissions and cache rebuilds
+    kv_recomputes: int = 0  # cache rebuilds after a weight update or a stand-down
+    tokens_generated: int = 0
+    weight_updates: int = 0
+    max_running_batch: int = 0
+    # Requests admitted while other sequences were mid-decode (continuous batching at work).
+    joined_running_batch: int = 0
+
+
+@dataclass(eq=False)
+class _Sequence:
+    request: GenerationRequest
+    future: asyncio.Future[GenerationResult]
+    rng: random.Random | None  # per-request sampler stream; None: the engine's stream
+    stop_token_ids: frozenset[int]
+    start_weight_version: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    token_weight_versions: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+
+    @property
+    def all_tokens(self) -> list[int]:
+        return self.request.prompt_token_ids + self.token_ids
+
+    def result(self) -> GenerationResult:
+        assert self.finish_reason is not None
+        return GenerationResult(
+            request_id=self.request.request_id,
+            prompt_token_ids=list(self.request.prompt_token_ids),
+            token_ids=list(self.token_ids),
+            logprobs=list(self.logprobs),
+            finish_reason=self.finish_reason,
+            token_weight_versions=list(self.token_weight_versions),
+            start_weight_version=self.start_weight_version,
+        )
+
+
+class TorchGenerationEngine(GenerationBackend):
+    """A transformers model serving concurrent ``generate`` calls from one event loop.
+
+    Use one engine from one event loop (its asyncio primitives bind to the first loop that
+    uses them).
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        device: str | torch.device = "auto",
+        dtype: str | torch.dtype = "auto",
+        max_batch_size: int = 256,
+        recompute_kv_cache_after_weight_updates: bool = False,
+        seed: int = 0,
+        weight_version: int = 0,
+        eos_token_ids: Iterable[int] | None = None,
+    ) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.device = resolve_device(device)
+        self.model = load_causal_lm(model_path, dtype=dtype, device=self.device)
+        self.max_batch_size = max_batch_size
+        self.recompute_kv_cache_after_weight_updates = recompute_kv_cache_after_weight_updates
+        config = self.model.config
+        # Stop tokens every request gets: the model's EOS (None: read from the model).
+        self.eos_token_ids = frozenset(
+            _model_eos_token_ids(self.model) if eos_token_ids is None else eos_token_ids
+        )
+        self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
+        self.max_positions: int | None = getattr(config, "max_position_embeddings", None)
+        self._pad_token_id = config.pad_token_id if config.pad_token_id is not None else 0
+        self._rng = random.Random(seed)
+        self._version = weight_version
+        self.stats = EngineStats()
+
+        # Owned by the event-loop thread.
+        self._queue: deque[_Sequence] = deque()
+        self._work = asyncio.Event()
+        self._awake = asyncio.Event()
+        self._awake.set()
+        self._step_lock = asyncio.Lock()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+        self._closed = False
+        self._asleep_since: float | None = None
+        self._asleep_total = 0.0
+
+        # The running batch: touched only inside a step (or under the step lock).
+        self._running: list[_Sequence] = []
+        # Keys/values of every token but each row's last one, left-padded to a common length.
+        self._cache: DynamicCache | None = None
+        self._mask: torch.Tensor | None = None  # [rows, cache length], 1 = real token
+        self._needs_kv_rebuild = False
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandemrl-gen")
+
+    # ------------------------------------------------------------------ public API
+
+    async def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        if self._closed:
+            raise GenerationError("generation engine is shut down")
+        loop = asyncio.get_running_loop()
+        sequences = [self._new_sequence(request, loop) for request in requests]
+        if not sequences:
+            return []
+        self._ensure_decode_loop()
+        self._queue.extend(sequences)
+        self._work.set()
+        try:
+            return list(await asyncio.gather(*(seq.future for seq in sequences)))
+        except asyncio.CancelledError:
+            # The caller gave up (timeout, shutdown): stop spending compute on these rows.
+            self._spawn(self._abort_where(lambda seq: seq in sequences))
+            raise
+
+    async def update_weights(self, version: int, weights: Any) -> None:
+        """Load a state dict between two decode steps, then report ``version``."""
+        if not isinstance(weights, Mapping):
+            raise TypeError(
+                f"torch engine update_weights expects a state dict (mapping of name to tensor), "
+                f"got {type(weights).__name__}"
+            )
+        async with self._step_lock:
+            await self._in_executor(self._load_state_dict, weights)
+            self._version = version
+            self.stats.weight_updates += 1
+            if self.recompute_kv_cache_after_weight_updates and self._running:
+                self._needs_kv_rebuild = True
+
+    async def weight_version(self) -> int:
+        return self._version
+
+    @property
+    def current_weight_version(self) -> int:
+        return self._version
+
+    async def abort(self, request_ids: list[str]) -> None:
+        wanted = set(request_ids)
+        await self._abort_where(lambda seq: seq.request.request_id in wanted)
+
+    async def sleep(self) -> None:
+        async with self._step_lock:
+            if self._asleep_since is not None:
+                return
+            self._asleep_since = time.monotonic()
+            self._awake.clear()
+            if self.device.type == "cuda":
+                # Free the KV cache; the first step after wake recomputes it.
+                self._cache = None
+                self._mask = None
+                self._needs_kv_rebuild = bool(self._running)
+                await self._in_executor(torch.cuda.empty_cache)
+
+    async def wake(self) -> None:
+        if self._asleep_since is None:
+            return
+        self._asleep_total += time.monotonic() - self._asleep_since
+        self._asleep_since = None
+        self._awake.set()
+
+    @property
+    def asleep(self) -> bool:
+        return self._asleep_since is not None
+
+    @property
+    def asleep_seconds(self) -> float:
+        return self.frozen_time()
+
+    def frozen_time(self) -> float:
+        """Seconds spent asleep so far (monotonic clock), the current stand-down included."""
+        current = time.monotonic() - self._asleep_since if self._asleep_since is not None else 0.0
+        return self._asleep_total + current
+
+    async def shutdown(self) -> None:
+        """Finish every request as aborted, stop the decode loop, release the thread."""
+        if self._closed:
+            return
+        await self._abort_where(lambda seq: True)
+        self._closed = True
+        self._work.set()
+        self._awake.set()
+        if self._loop_task is not None:
+            await self._loop_task
+        for task in list(self._background):
+            await task
+        await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown)
+
+    # ------------------------------------------------------------------ event-loop side
+
+    def _new_sequence(
+        self, request: GenerationRequest, loop: asyncio.AbstractEventLoop
+    ) -> _Sequence:
+        prompt = request.prompt_token_ids
+        where = f"request {request.request_id!r}"
+        if not prompt:
+            raise ValueError(f"{where}: empty prompt_token_ids")
+        if request.max_new_tokens < 1:
+            raise ValueError(f"{where}: max_new_tokens must be >= 1, got {request.max_new_tokens}")
+        if request.temperature < 0:
+            raise ValueError(f"{where}: temperature must be >= 0, got {request.temperature}")
+        if not 0 < request.top_p <= 1:
+            raise ValueError(f"{where}: top_p must be in (0, 1], got {request.top_p}")
+        bad = [token for token in prompt if not 0 <= token < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"{where}: token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})"
+            )
+        if self.max_positions is not None and len(prompt) >= self.max_positions:
+            raise ValueError(
+                f"{where}: prompt of {len(prompt)} tokens leaves no room to generate within the "
+                f"model's max_position_embeddings={self.max_positions}"
+            )
+        return _Sequence(
+            request=request,
+            future=loop.create_future(),
+            rng=random.Random(request.seed) if request.seed is not None else None,
+            stop_token_ids=frozenset(request.stop_token_ids) | self.eos_token_ids,
+            start_weight_version=self._version,
+        )
+
+    def _ensure_decode_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._decode_loop())
+
+    def _spawn(self, coroutine: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _in_executor(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def _decode_loop(self) -> None:
+        while True:
+            await self._work.wait()
+            await self._awake.wait()
+            async with self._step_lock:
+                if self._closed:
+                    return
+                if self._asleep_since is not None:
+                    continue
+                if not self._queue and not self._running:
+                    self._work.clear()
+                    continue
+                admit = self._pop_admissible()
+                try:
+                    finished = await self._in_executor(self._step, admit)
+                except Exception as exc:  # a failed step leaves the batch unusable
+                    logger.exception("decode step failed; failing %d requests", len(self._running))
+                    failed = self._running + [seq for seq in admit if seq not in self._running]
+                    self._reset_batch()
+                    for seq in failed:
+                        if not seq.future.done():
+                            seq.future.set_exception(
+                                GenerationError(f"decode step failed: {exc!r}")
+                            )
+                    continue
+            for seq in finished:
+                _resolve(seq)
+
+    def _pop_admissible(self) -> list[_Sequence]:
+        admit: list[_Sequence] = []
+        while self._queue and len(self._running) + len(admit) < self.max_batch_size:
+            seq = self._queue.popleft()
+            if seq.future.done():  # cancelled by its caller while queued
+                continue
+            seq.start_weight_version = self._version
+            admit.append(seq)
+        return admit
+
+    async def _abort_where(self, predicate: Callable[[_Sequence], bool]) -> None:
+        queued = [seq for seq in self._queue if predicate(seq)]
+        if queued:
+            self._queue = deque(seq for seq in self._queue if not predicate(seq))
+        async with self._step_lock:
+            rows = [row for row, seq in enumerate(self._running) if predicate(seq)]
+            running = await self._in_executor(self._drop_rows, rows) if rows else []
+        for seq in [*queued, *running]:
+            seq.finish_reason = "aborted"
+            _resolve(seq)
+
+    # ------------------------------------------------------------------ compute side (one thread)
+
+    @torch.inference_mode()
+    def _step(self, admit: list[_Sequence]) -> list[_Sequence]:
+        if self._needs_kv_rebuild:
+            self._rebuild_kv()
+        if admit:
+            if self._running:
+                self.stats.joined_running_batch += len(admit)
+            key_values, mask = self._prefill([seq.all_tokens[:-1] for seq in admit])
+            self._merge_into_batch(key_values, mask)
+            self._running.extend(admit)
+
+        rows = len(self._running)
+        assert self._mask is not None
+        last_tokens = torch.tensor(
+            [[seq.all_tokens[-1]] for seq in self._running], dtype=torch.long, device=self.device
+        )
+        mask = torch.cat([self._mask, self._mask.new_ones(rows, 1)], dim=1)
+        # Position of the fed token = number of real tokens before it (cumsum(mask) - 1).
+        positions = self._mask.sum(dim=1, keepdim=True)
+        output = self.model(
+            input_ids=last_tokens,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=self._cache,
+            use_cache=True,
+        )
+        self._cache = output.past_key_values
+        self._mask = mask
+        token_ids, logprobs = self._sample(output.logits[:, -1, :], self._running)
+
+        version = self._version
+        keep: list[int] = []
+        finished: list[_Sequence] = []
+        for row, seq in enumerate(self._running):
+            token = token_ids[row]
+            seq.token_ids.append(token)
+            seq.logprobs.append(logprobs[row])
+            seq.token_weight_versions.append(version)
+            if token in seq.stop_token_ids:
+                seq.finish_reason = "stop"
+            elif len(seq.token_ids) >= seq.request.max_new_tokens or (
+                self.max_positions is not None and len(seq.all_tokens) >= self.max_positions
+            ):
+                seq.finish_reason = "length"
+            if seq.finish_reason is None:
+                keep.append(row)
+            else:
+                finished.append(seq)
+        self.stats.decode_steps += 1
+        self.stats.tokens_generated += rows
+        self.stats.max_running_batch = max(self.stats.max_running_batch, rows)
+        if finished:
+            self._select_rows(keep)
+        return finished
+
+    def _sample(
+        self, logits: torch.Tensor, sequences: Sequence[_Sequence]
+    ) -> tuple[list[int], list[float]]:
+        """One token per row and its logprob under the tempered, untruncated distribution."""
+        logits = logits.float()
+        temperatures = [seq.request.temperature for seq in sequences]
+        top_ps = [seq.request.top_p for seq in sequences]
+        scale = torch.tensor([t if t > 0 else 1.0 for t in temperatures], device=logits.device)
+        logprobs = torch.log_softmax(logits / scale[:, None], dim=-1)
+        probs = logprobs.exp()
+        if any(p < 1.0 for p in top_ps):
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            top_p = torch.tensor(top_ps, device=logits.device)
+            # Keep the smallest prefix whose mass reaches top_p (the top token always stays).
+            outside = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]
+            candidate_probs = sorted_probs.masked_fill(outside, 0.0)
+        else:
+            candidate_probs, order = probs, None
+        cdf = candidate_probs.cumsum(dim=-1)
+        uniforms = torch.tensor(
+            [(seq.rng or self._rng).random() for seq in sequences],
+            dtype=cdf.dtype,
+            device=logits.device,
+        )
+        picks = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True)
+        picks = picks.clamp(max=cdf.shape[-1] - 1)
+        tokens = order.gather(1, picks) if order is not None else picks
+        greedy = torch.tensor([t == 0 for t in temperatures], device=logits.device)
+        tokens = torch.where(greedy[:, None], logits.argmax(dim=-1, keepdim=True), tokens)
+        chosen = logprobs.gather(1, tokens)
+        return tokens.squeeze(1).tolist(), chosen.squeeze(1).tolist()
+
+    def _prefill(self, token_lists: list[list[int]]) -> tuple[KeyValues | None, torch.Tensor]:
+        """Keys/values of left-padded ``token_lists``; None when every list is empty."""
+        rows, width = len(token_lists), max(len(tokens) for tokens in token_lists)
+        mask = torch.zeros(rows, width, dtype=torch.long, device=self.device)
+        if width == 0:
+            return None, mask
+        input_ids = torch.full((rows, width), self._pad_token_id, dtype=torch.long)
+        for row, tokens in enumerate(token_lists):
+            if tokens:
+                input_ids[row, width - len(tokens) :] = torch.tensor(tokens, dtype=torch.long)
+                mask[row, width - len(tokens) :] = 1
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        output = self.model(
+            input_ids=input_ids.to(self.device),
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self.stats.prefills += 1
+        real = mask.bool()[:, None, :, None]
+        # Zero the padding's keys/values so no kernel can ever turn a masked slot into NaN.
+        key_values = [
+            (keys.masked_fill(~real, 0.0), values.masked_fill(~real, 0.0))
+            for keys, values in _layers(output.past_key_values)
+        ]
+        return key_values, mask
+
+    def _rebuild_kv(self) -> None:
+        self._needs_kv_rebuild = False
+        if not self._running:
+            self._cache, self._mask = None, None
+            return
+        key_values, self._mask = self._prefill([seq.all_tokens[:-1] for seq in self._running])
+        self._cache = DynamicCache(ddp_cache_data=key_values) if key_values else None
+        self.stats.kv_recomputes += 1
+
+    def _merge_into_batch(self, key_values: KeyValues | None, mask: torch.Tensor) -> None:
+        if not self._running or self._mask is None:
+            self._cache = DynamicCache(ddp_cache_data=key_values) if key_values else None
+            self._mask = mask
+            return
+        width = max(self._mask.shape[1], mask.shape[1])
+        old = _layers(self._cache) if self._cache is not None else None
+        new = key_values
+        if old is None and new is None:
+            merged = None
+        else:
+            template = old if old is not None else new
+            assert template is not None
+            old = old or _zeros_like_layers(template, len(self._running))
+            new = new or _zeros_like_layers(template, mask.shape[0])
+            merged = [
+                (
+                    torch.cat([_left_pad(k_old, width), _left_pad(k_new, width)], dim=0),
+                    torch.cat([_left_pad(v_old, width), _left_pad(v_new, width)], dim=0),
+                )
+                for (k_old, v_old), (k_new, v_new) in zip(old, new, strict=True)
+            ]
+        self._mask = torch.cat([_left_pad_mask(self._mask, width), _left_pad_mask(mask, width)])
+        self._cache = DynamicCache(ddp_cache_data=merged) if merged else None
+
+    def _select_rows(self, keep: list[int]) -> None:
+        """Keep only rows ``keep`` of the batch, then drop columns no kept row uses."""
+        self._running = [self._running[row] for row in keep]
+        if not keep:
+            self._cache, self._mask = None, None
+            return
+        if self._mask is None:  # cache dropped by sleep; rebuilt from tokens later
+            return
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self._mask = self._mask.index_select(0, index)
+        used = self._mask.any(dim=0)
+        first = int(used.int().argmax()) if bool(used.any()) else self._mask.shape[1]
+        self._mask = self._mask[:, first:]
+        if self._cache is not None:
+            self._cache = DynamicCache(
+                ddp_cache_data=[
+                    (
+                        keys.index_select(0, index)[:, :, first:],
+                        values.index_select(0, index)[:, :, first:],
+                    )
+                    for keys, values in _layers(self._cache)
+                ]
+            )
+
+    @torch.inference_mode()
+    def _drop_rows(self, rows: list[int]) -> list[_Sequence]:
+        dropped = set(rows)
+        removed = [self._running[row] for row in rows]
+        self._select_rows([row for row in range(len(self._running)) if row not in dropped])
+        return removed
+
+    def _reset_batch(self) -> None:
+        self._running = []
+        self._cache, self._mask = None, None
+        self._needs_kv_rebuild = False
+
+    @torch.inference_mode()
+    def _load_state_dict(self, weights: Mapping[str, torch.Tensor]) -> None:
+        missing, unexpected = self.model.load_state_dict(dict(weights), strict=False)
+        if unexpected:
+            raise KeyError(f"update_weights: unknown parameter names {sorted(unexpected)[:5]}")
+        # A tied parameter (lm_head = embed_tokens) may be sent under one of its names only.
+        own = self.model.state_dict(keep_vars=True)
+        sent = {own[name].data_ptr() for name in weights if name in own}
+        untied_missing = [name for name in missing if own[name].data_ptr() not in sent]
+        if untied_missing:
+            raise KeyError(f"update_weights: missing parameters {sorted(untied_missing)[:5]}")
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _resolve(seq: _Sequence) -> None:
+    if not seq.future.done():
+        seq.future.set_result(seq.result())
+
+
+def _model_eos_token_ids(model: torch.nn.Module) -> list[int]:
+    for source in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is not None:
+            return [eos] if isinstance(eos, int) else list(eos)
+    return []
+
+
+def _layers(cache: Any) -> KeyValues:
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def _zeros_like_layers(template: KeyValues, rows: int) -> KeyValues:
+    return [
+        (
+            keys.new_zeros((rows, *keys.shape[1:2], 0, keys.shape[3])),
+            values.new_zeros((rows, *values.shape[1:2], 0, values.shape[3])),
+        )
+        for keys, values in template
+    ]
+
+
+def _left_pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
+    """Pad a [rows, heads, length, dim] cache tensor with zeros on the left to ``width``."""
+    missing = width - tensor.shape[2]
+    if missing == 0:
+        return tensor
+    pad = tensor.new_zeros((tensor.shape[0], tensor.shape[1], missing, tensor.shape[3]))
+    return torch.cat([pad, tensor], dim=2)
+
+
+def _left_pad_mask(mask: torch.Tensor, width: int) -> torch.Tensor:
+    missing = width - mask.shape[1]
+    if missing == 0:
+        return mask
+    return torch.cat([mask.new_zeros((mask.shape[0], missing)), mask], dim=1)
