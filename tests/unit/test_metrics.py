@@ -1,0 +1,222 @@
+"""Metrics: JSONL lines, required fields, TensorBoard events, the plot, resume, progress."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from rich.console import Console
+
+from tandemrl.config.models import LoggerConfig
+from tandemrl.metrics import REQUIRED_FIELDS, MetricsLogger, ProgressDisplay
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def step_metrics(step: int, **extra: Any) -> dict[str, Any]:
+    return {
+        "step": step,
+        "trainer_version": step + 1,
+        "reward_mean": 0.1 * step,
+        "staleness_mean": 0.5,
+        "staleness_max": 1,
+        "groups_trained": 16,
+        "tokens_per_s": 1000.0 + step,
+        "step_time_s": 0.25,
+        "weight_sync_s": 0.01,
+        **extra,
+    }
+
+
+def config(log_dir: Path, **overrides: Any) -> LoggerConfig:
+    fields = {"log_dir": str(log_dir), "tensorboard": False, "plot": False, "progress": False}
+    fields.update(overrides)
+    return LoggerConfig(**fields)
+
+
+def read_lines(log_dir: Path) -> list[dict[str, Any]]:
+    text = (log_dir / "metrics.jsonl").read_text(encoding="utf-8")
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def log_steps(log_dir: Path, steps: range, **cfg_overrides: Any) -> None:
+    with MetricsLogger(config(log_dir, **cfg_overrides)) as metrics_logger:
+        for step in steps:
+            metrics_logger.log_step(step_metrics(step))
+
+
+def test_one_json_line_per_step_flushed_immediately(tmp_path: Path) -> None:
+    metrics_logger = MetricsLogger(config(tmp_path))
+    metrics_logger.log_step(step_metrics(0, grad_norm=np.float32(0.5), note="warmup"))
+    # Readable before close: each line is flushed as it is written.
+    assert read_lines(tmp_path) == [step_metrics(0, grad_norm=0.5, note="warmup")]
+    metrics_logger.log_step(step_metrics(1))
+    metrics_logger.close()
+    assert [line["step"] for line in read_lines(tmp_path)] == [0, 1]
+    assert set(REQUIRED_FIELDS) <= set(read_lines(tmp_path)[1])
+
+
+@pytest.mark.parametrize("missing", REQUIRED_FIELDS)
+def test_missing_required_field_raises_and_writes_nothing(tmp_path: Path, missing: str) -> None:
+    metrics = step_metrics(0)
+    del metrics[missing]
+    with (
+        MetricsLogger(config(tmp_path)) as metrics_logger,
+        pytest.raises(ValueError, match=f"'{missing}'"),
+    ):
+        metrics_logger.log_step(metrics)
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+def test_steps_must_increase(tmp_path: Path) -> None:
+    with MetricsLogger(config(tmp_path)) as metrics_logger:
+        metrics_logger.log_step(step_metrics(3))
+        with pytest.raises(ValueError, match="does not come after step 3"):
+            metrics_logger.log_step(step_metrics(3))
+        with pytest.raises(TypeError, match="must be an int"):
+            metrics_logger.log_step(step_metrics(4) | {"step": 4.0})
+
+
+def test_unserialisable_value_is_an_error(tmp_path: Path) -> None:
+    with (
+        MetricsLogger(config(tmp_path)) as metrics_logger,
+        pytest.raises(TypeError, match="not JSON"),
+    ):
+        metrics_logger.log_step(step_metrics(0, bad=object()))
+
+
+def test_jsonl_off_writes_no_file(tmp_path: Path) -> None:
+    log_steps(tmp_path, range(2), jsonl=False)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_tensorboard_scalars_written(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log_steps(tmp_path, range(3), tensorboard=True)
+    event_files = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(event_files) == 1
+    accumulator = EventAccumulator(str(tmp_path / "tensorboard"))
+    accumulator.Reload()
+    rewards = accumulator.Scalars("reward_mean")
+    assert [event.step for event in rewards] == [0, 1, 2]
+    assert [event.value for event in rewards] == pytest.approx([0.0, 0.1, 0.2])
+    assert "tokens_per_s" in accumulator.Tags()["scalars"]
+    assert "step" not in accumulator.Tags()["scalars"]
+
+
+def test_plot_written_on_close_only_when_on(tmp_path: Path) -> None:
+    log_steps(tmp_path / "on", range(4), plot=True)
+    assert (tmp_path / "on" / "reward_throughput.png").read_bytes()[:8] == PNG_MAGIC
+    log_steps(tmp_path / "off", range(4), plot=False)
+    assert not (tmp_path / "off" / "reward_throughput.png").exists()
+    log_steps(tmp_path / "empty", range(0), plot=True)
+    assert not (tmp_path / "empty" / "reward_throughput.png").exists()
+
+
+# -- restarts ---------------------------------------------------------------------------------
+
+
+def test_resume_keeps_only_steps_before_the_resume_step(tmp_path: Path) -> None:
+    log_steps(tmp_path, range(5))
+    with MetricsLogger(config(tmp_path, plot=True), resume_step=3) as metrics_logger:
+        assert [line["step"] for line in read_lines(tmp_path)] == [0, 1, 2]
+        with pytest.raises(ValueError, match="does not come after step 2"):
+            metrics_logger.log_step(step_metrics(2))
+        metrics_logger.log_step(step_metrics(3, reward_mean=0.9))
+    lines = read_lines(tmp_path)
+    assert [line["step"] for line in lines] == [0, 1, 2, 3]
+    assert lines[3]["reward_mean"] == 0.9
+    assert not list(tmp_path.glob(".metrics.jsonl.*"))  # no temporary file left behind
+    assert (tmp_path / "reward_throughput.png").exists()
+
+
+def test_restart_without_resume_step_appends_and_refuses_old_steps(tmp_path: Path) -> None:
+    log_steps(tmp_path, range(2))
+    with MetricsLogger(config(tmp_path)) as metrics_logger:
+        with pytest.raises(ValueError, match="resume_step"):
+            metrics_logger.log_step(step_metrics(0))
+        metrics_logger.log_step(step_metrics(2))
+    assert [line["step"] for line in read_lines(tmp_path)] == [0, 1, 2]
+
+
+def test_resume_step_zero_starts_the_file_over(tmp_path: Path) -> None:
+    log_steps(tmp_path, range(3))
+    with MetricsLogger(config(tmp_path), resume_step=0) as metrics_logger:
+        assert read_lines(tmp_path) == []
+        metrics_logger.log_step(step_metrics(0))
+    assert [line["step"] for line in read_lines(tmp_path)] == [0]
+
+
+def test_torn_last_line_is_dropped_before_appending(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    log_steps(tmp_path, range(2))
+    with (tmp_path / "metrics.jsonl").open("a") as handle:
+        handle.write('{"step": 2, "rew')  # killed mid-write
+    with caplog.at_level(logging.WARNING), MetricsLogger(config(tmp_path)) as metrics_logger:
+        metrics_logger.log_step(step_metrics(2))
+    assert "torn last line" in caplog.text
+    assert [line["step"] for line in read_lines(tmp_path)] == [0, 1, 2]
+
+
+def test_complete_last_line_without_newline_is_kept(tmp_path: Path) -> None:
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(step_metrics(0)))
+    log_steps(tmp_path, range(1, 2))
+    assert [line["step"] for line in read_lines(tmp_path)] == [0, 1]
+
+
+def test_corrupt_line_in_the_middle_is_an_error(tmp_path: Path) -> None:
+    (tmp_path / "metrics.jsonl").write_text(
+        json.dumps(step_metrics(0)) + "\ngarbage\n" + json.dumps(step_metrics(1)) + "\n"
+    )
+    with pytest.raises(ValueError, match=r"metrics\.jsonl:2: not a JSON line"):
+        MetricsLogger(config(tmp_path), resume_step=1)
+
+
+# -- progress ---------------------------------------------------------------------------------
+
+
+def test_progress_off_logs_one_plain_line_per_step(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with (
+        caplog.at_level(logging.INFO, logger="tandemrl.metrics"),
+        MetricsLogger(config(tmp_path), total_steps=10) as metrics_logger,
+    ):
+        metrics_logger.log_step(step_metrics(5))
+    assert not metrics_logger.progress.uses_rich
+    assert "step 5/10 | reward 0.500 | staleness 0.50/1 | 1005 tok/s" in caplog.messages
+
+
+def test_progress_on_a_terminal_uses_rich(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    output = io.StringIO()
+    console = Console(file=output, force_terminal=True, width=120)
+    with (
+        caplog.at_level(logging.INFO, logger="tandemrl.metrics"),
+        MetricsLogger(
+            config(tmp_path, progress=True), total_steps=10, console=console
+        ) as metrics_logger,
+    ):
+        metrics_logger.log_step(step_metrics(5))
+    assert metrics_logger.progress.uses_rich
+    assert "reward 0.500" in output.getvalue()
+    assert "6/10" in output.getvalue()
+    assert not caplog.messages
+
+
+def test_progress_on_but_not_a_terminal_falls_back_to_log_lines(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    console = Console(file=io.StringIO(), force_terminal=False)
+    display = ProgressDisplay(enabled=True, total_steps=None, console=console)
+    with caplog.at_level(logging.INFO, logger="tandemrl.metrics"):
+        display.update(step_metrics(1))
+    display.close()
+    assert not display.uses_rich
+    assert caplog.messages == ["step 1 | reward 0.100 | staleness 0.50/1 | 1001 tok/s"]
