@@ -64,24 +64,35 @@ def positional_match_reward(target: str, completion: str) -> float:
 class CountingEnv(Environment):
     """Scores counting completions with partial per-position credit.
 
-    The target is the prompt's ``answer`` when the dataset provides one, otherwise it is
-    derived from the prompt with ``answer_length`` digits.
+    The target is the prompt's ``answer`` when the dataset provides one (the built-in
+    counting dataset does), otherwise it is derived from the prompt. ``answer_length``
+    (``env.kwargs.answer_length``) sets the derived length; when it is set and a prompt's
+    answer disagrees with the derived target, scoring raises instead of silently ignoring it.
     """
 
     def __init__(
         self,
-        answer_length: int = DEFAULT_ANSWER_LENGTH,
+        answer_length: int | None = None,
         eos_strings: Sequence[str] = DEFAULT_EOS_STRINGS,
     ) -> None:
-        if answer_length < 1:
+        if answer_length is not None and answer_length < 1:
             raise ValueError(f"env.kwargs.answer_length must be at least 1, got {answer_length}")
         self.answer_length = answer_length
         self.eos_strings = tuple(eos_strings)
 
     def target_for(self, item: PromptItem) -> str:
-        if item.answer is not None:
-            return str(item.answer).strip()
-        return counting_target(item.prompt, self.answer_length)
+        if self.answer_length is None:
+            if item.answer is not None:
+                return str(item.answer).strip()
+            return counting_target(item.prompt, DEFAULT_ANSWER_LENGTH)
+        target = counting_target(item.prompt, self.answer_length)
+        if item.answer is not None and str(item.answer).strip() != target:
+            raise ValueError(
+                f"prompt {item.prompt_id}: dataset answer {item.answer!r} disagrees with "
+                f"env.kwargs.answer_length={self.answer_length} (target {target!r}); drop "
+                "env.kwargs.answer_length to score against the dataset's answers"
+            )
+        return target
 
     def score(self, item: PromptItem, completion: str, *, truncated: bool) -> EnvResult:
         target = self.target_for(item)

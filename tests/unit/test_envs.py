@@ -73,6 +73,15 @@ def test_counting_derives_target_when_item_has_no_answer() -> None:
     assert result.metadata["truncated"] is True
 
 
+def test_counting_answer_length_must_agree_with_dataset_answer() -> None:
+    env = CountingEnv(answer_length=4)
+    assert env.score(make_item("583=", "4567"), "4567", truncated=False).reward == 1.0
+    with pytest.raises(ValueError, match="disagrees with env"):
+        env.score(make_item("583=", "456"), "4567", truncated=False)
+    # Without answer_length the dataset's answer is the target, whatever its length.
+    assert CountingEnv().score(make_item("583=", "45"), "45", truncated=False).reward == 1.0
+
+
 def test_counting_custom_eos_strings() -> None:
     env = CountingEnv(eos_strings=("#",))
     assert env.score(make_item("583=", "456"), "456#12", truncated=False).reward == 1.0
