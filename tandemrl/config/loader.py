@@ -216,9 +216,13 @@ class _Resolver:
         if value is _MISSING:
             close = difflib.get_close_matches(missing_at, siblings, n=1, cutoff=0.6)
             suggestion = f"; did you mean {_join(found_path, close[0])}?" if close else ""
+            if found_path and not siblings:
+                reason = f"{found_path} is not set or not a mapping"
+            else:
+                reason = f"no {missing_at!r} under {found_path or 'the top level'}"
             self._problem(
                 f"{from_path}: ${{{reference}}} refers to {reference}, which does not exist "
-                f"(no {missing_at!r} under {found_path or 'the top level'}){suggestion}"
+                f"({reason}){suggestion}"
             )
             return None
         return self.resolve(value, reference)
@@ -239,12 +243,14 @@ def _find(root: dict[str, Any], segments: list[str]) -> tuple[Any, str, str, lis
     walked: list[str] = []
     for segment in segments:
         child = _get_child(node, segment)
-        if child is _MISSING and model is not None and (node is None or isinstance(node, dict)):
+        if child is _MISSING and model is not None and isinstance(node, dict):
             child = _model_default(model, segment)
         if child is _MISSING:
-            siblings = set(node) if isinstance(node, dict) else set()
-            if model is not None:
-                siblings.update(_fields_by_key(model))
+            siblings: set[str] = set()
+            if isinstance(node, dict):
+                siblings.update(node)
+                if model is not None:
+                    siblings.update(_fields_by_key(model))
             return _MISSING, ".".join(walked), segment, sorted(map(str, siblings))
         model = _child_model(model, segment, child)
         node = child
