@@ -1,0 +1,412 @@
+"""The policy trainer: a transformers causal LM trained with the clipped PG loss.
+
+``PolicyWorker`` implements ``tandemrl.training.api.Trainer``. It is a plain class (tests and
+in-process runs use it directly); ``create_policy_worker_actor`` starts it as a Ray actor.
+
+One RL step::
+
+    get_logprobs(batch)            -> prev_logprobs (no grad; may run mid-step)
+    begin_train_step()             zero gradients
+    train_microbatches(chunk, step_num_sequences=S, step_num_tokens=N)   once per chunk
+    finish_train_step()            clip, exactly one optimizer step, metrics
+
+Gradients of all chunks accumulate; the token-mean loss of every micro-batch is its token sum
+divided by N, the whole step's valid-token count, so any chunking of a step yields the
+gradient of the unsplit step (see ``tandemrl.training.losses``).
+
+Logprobs: entry t of the returned [B, L] tensor is log p(input_ids[t] | input_ids[:t]), 0 at
+t = 0 and on padding. They are computed from ``logits / policy.generation.temperature`` when
+that temperature is > 0 — the same ``log_softmax(logits / temperature)`` that the generation
+engine records for the tokens it samples — so that at equal weights trainer and generator
+logprobs agree and the importance weight is 1. Temperature 0 (greedy) uses the raw logits.
+``top_p`` truncation is not reflected (the generator reports untruncated logprobs too).
+
+Precision: parameters and optimizer state are float32; "auto" runs forward/backward under
+bfloat16 autocast on CUDA and in plain float32 on CPU.
+
+``offload_optimizer_for_logprob``: ``get_logprobs`` moves the optimizer state to host memory
+(it stays there while the critic runs) and ``finish_train_step`` moves it back just before the
+optimizer step. On CPU there is nothing to move; the transitions are only recorded
+(``optimizer_location``, ``state()["optimizer_transitions"]``).
+
+Checkpoint folder layout (``save_checkpoint``): ``config.json`` + ``model.safetensors`` (via
+``save_pretrained``), the source folder's tokenizer files, ``worker_state.json``
+(``optimizer_steps``), and with ``save_optimizer`` ``optimizer.pt`` (optimizer + scheduler,
+read back with ``torch.load(weights_only=True)``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+from tandemrl.config.models import LossConfig, PolicyConfig
+from tandemrl.models import load_causal_lm, resolve_device, resolve_model_path
+from tandemrl.training.api import TrainBatch
+from tandemrl.training.batch import count_loss_tokens, split_microbatches, trim_padding
+from tandemrl.training.losses import policy_loss, token_entropy
+from tandemrl.training.worker_common import (
+    CheckpointError,
+    OptimizerOffload,
+    SerialExecutor,
+    StepTracker,
+    autocast,
+    autocast_dtype,
+    build_optimizer,
+    build_scheduler,
+    grad_norm_and_clip,
+    load_optimizer_state,
+    read_worker_state,
+    save_optimizer_state,
+    write_worker_state,
+)
+
+# Files of a model folder that belong to the tokenizer (copied into every checkpoint so that a
+# checkpoint folder is itself loadable with from_pretrained).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+)
+
+
+def copy_tokenizer_files(source: Path, target: Path) -> list[str]:
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, target / name)
+            copied.append(name)
+    return copied
+
+
+def sequence_logprobs(
+    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprobs [B, L], scaled logits [B, L-1, V]) aligned with ``input_ids`` (entry 0 is 0).
+
+    ``logits`` [B, L, V] are the model's raw outputs; position t-1 predicts token t.
+    """
+    scaled = logits[:, :-1].float()
+    if temperature > 0 and temperature != 1.0:
+        scaled = scaled / temperature
+    targets = input_ids[:, 1:]
+    picked = scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    logprobs = picked - torch.logsumexp(scaled, dim=-1)
+    return F.pad(logprobs, (1, 0)), scaled
+
+
+class PolicyWorker:
+    """Trains the policy; see the module docstring for the step protocol and file layout."""
+
+    def __init__(
+        self,
+        policy_cfg: PolicyConfig,
+        loss_cfg: LossConfig,
+        *,
+        model_path: str | os.PathLike[str] | None = None,
+        seed: int = 0,
+        torch_num_threads: int | None = None,
+    ) -> None:
+        if torch_num_threads is not None:
+            torch.set_num_threads(torch_num_threads)
+        if policy_cfg.megatron_cfg.enabled:
+            raise ValueError(
+                "policy.megatron_cfg.enabled: true is not supported by the torch PolicyWorker; "
+                "set it to false"
+            )
+        torch.manual_seed(seed)
+        self.cfg = policy_cfg
+        self.loss_cfg = loss_cfg
+        self.seed = seed
+        self.model_path = Path(
+            resolve_model_path(str(model_path) if model_path is not None else policy_cfg.model_name)
+        )
+        self.device = resolve_device(policy_cfg.device)
+        self.autocast_dtype = autocast_dtype(policy_cfg.precision, self.device)
+        self.temperature = policy_cfg.generation.temperature
+        self.model = load_causal_lm(self.model_path, dtype=torch.float32, device=self.device)
+        self.model.config.use_cache = False
+        if policy_cfg.dtensor_cfg.activation_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.optimizer = build_optimizer(self.model.parameters(), policy_cfg.optimizer, self.device)
+        self.scheduler = build_scheduler(self.optimizer, policy_cfg.scheduler)
+        self._offload = OptimizerOffload(self.optimizer, self.device)
+        self._step = StepTracker()
+        self._executor = SerialExecutor()
+        self.optimizer_steps = 0
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def optimizer_location(self) -> str:
+        """ "device" or "cpu": where the optimizer state lives (see OptimizerOffload)."""
+        return self._offload.location
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "optimizer_steps": self.optimizer_steps,
+            "optimizer_location": self._offload.location,
+            "optimizer_transitions": list(self._offload.transitions),
+            "in_train_step": self._step.active,
+            "lr": float(self.scheduler.get_last_lr()[0]),
+        }
+
+    # ------------------------------------------------------------------ forward
+
+    def _to_device(self, batch: TrainBatch) -> TrainBatch:
+        return {key: value.to(self.device) for key, value in batch.items()}
+
+    def _check_length(self, batch: TrainBatch) -> None:
+        longest = int(batch["attention_mask"].sum(dim=1).max().item())
+        if longest > self.cfg.max_total_sequence_length:
+            raise ValueError(
+                f"a sequence of {longest} tokens exceeds policy.max_total_sequence_length="
+                f"{self.cfg.max_total_sequence_length}"
+            )
+
+    def _forward(
+        self, micro: TrainBatch, *, entropy_grad: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        with autocast(self.device, self.autocast_dtype):
+            logits = self.model(
+                input_ids=micro["input_ids"],
+                attention_mask=micro["attention_mask"],
+                use_cache=False,
+            ).logits
+        logprobs, scaled = sequence_logprobs(logits, micro["input_ids"], self.temperature)
+        if entropy_grad:
+            entropy = token_entropy(scaled)
+        else:
+            with torch.no_grad():
+                entropy = token_entropy(scaled.detach())
+        return logprobs, F.pad(entropy, (1, 0))
+
+    def _get_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        self._check_length(batch)
+        if self.cfg.offload_optimizer_for_logprob:
+            self._offload.offload()
+        was_training = self.model.training
+        self.model.eval()
+        out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
+        start = 0
+        with torch.no_grad():
+            for micro in split_microbatches(batch, self.cfg.train_micro_batch_size):
+                size = micro["input_ids"].shape[0]
+                micro = self._to_device(trim_padding(micro))
+                logprobs, _ = self._forward(micro, entropy_grad=False)
+                logprobs = logprobs * micro["attention_mask"].to(logprobs.dtype)
+                out[start : start + size, : logprobs.shape[1]] = logprobs.cpu()
+                start += size
+        self.model.train(was_training)
+        return out
+
+    # ------------------------------------------------------------------ split train step
+
+    def _begin_train_step(self) -> None:
+        if self._step.active:
+            raise RuntimeError(
+                "begin_train_step called while a step is open; call finish_train_step first"
+            )
+        self.optimizer.zero_grad(set_to_none=True)
+        self._step.begin()
+
+    def _train_microbatches(
+        self, batch: TrainBatch, step_num_sequences: int, step_num_tokens: int | None
+    ) -> dict[str, float]:
+        self._check_length(batch)
+        normalizer = self._step.declare(
+            step_num_sequences=step_num_sequences,
+            step_num_tokens=step_num_tokens,
+            chunk_tokens=count_loss_tokens(batch),
+        )
+        self.model.train()
+        chunk = StepTracker()
+        for micro in split_microbatches(batch, self.cfg.train_micro_batch_size):
+            if count_loss_tokens(micro) == 0:
+                continue  # contributes exactly 0 to the step's loss and gradient
+            micro = self._to_device(trim_padding(micro))
+            logprobs, entropy = self._forward(micro, entropy_grad=self.loss_cfg.entropy_coef > 0)
+            loss, metrics = policy_loss(
+                logprobs,
+                micro,
+                self.loss_cfg,
+                num_step_tokens=normalizer,
+                num_step_sequences=step_num_sequences,
+                entropy=entropy,
+            )
+            loss.backward()
+            chunk.add(metrics)
+            self._step.add(metrics)
+        return chunk.summary()
+
+    def _finish_train_step(self) -> dict[str, float]:
+        try:
+            self._step.check_finish()
+            self._offload.reload()
+            lr = float(self.scheduler.get_last_lr()[0])
+            grad_norm = grad_norm_and_clip(self.model.parameters(), self.cfg.max_grad_norm)
+            self.optimizer.step()
+            self.scheduler.step()
+        except Exception:
+            self.optimizer.zero_grad(set_to_none=True)
+            self._step.active = False
+            raise
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer_steps += 1
+        metrics = self._step.summary()
+        self._step.active = False
+        metrics.update(
+            {"grad_norm": grad_norm, "lr": lr, "optimizer_steps": float(self.optimizer_steps)}
+        )
+        return metrics
+
+    # ------------------------------------------------------------------ weights, checkpoints
+
+    def _export_weights(self) -> dict[str, torch.Tensor]:
+        # copy=True: an in-process generator must never alias the live training parameters.
+        # state_dict() keeps both names of tied parameters (embed_tokens and lm_head), so a
+        # generator's load_state_dict(strict=True) finds every key it needs.
+        return {
+            name: tensor.detach().to("cpu", copy=True).contiguous()
+            for name, tensor in self.model.state_dict().items()
+        }
+
+    def _load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        self.model.load_state_dict(state_dict, strict=True)
+
+    def _save_checkpoint(self, directory: Path, save_optimizer: bool) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(directory, safe_serialization=True)
+        copy_tokenizer_files(self.model_path, directory)
+        if save_optimizer:
+            save_optimizer_state(directory, self.optimizer, self.scheduler)
+        write_worker_state(
+            directory,
+            {
+                "kind": "policy",
+                "optimizer_steps": self.optimizer_steps,
+                "has_optimizer": save_optimizer,
+            },
+        )
+
+    def _load_checkpoint(self, directory: Path, load_optimizer: bool) -> None:
+        directory = Path(directory)
+        if not directory.is_dir():
+            raise CheckpointError(f"policy checkpoint folder {directory} does not exist")
+        state = read_worker_state(directory)
+        if state.get("kind") != "policy":
+            raise CheckpointError(
+                f"{directory} holds a {state.get('kind')!r} checkpoint, not a policy checkpoint"
+            )
+        self._load_model_weights(directory)
+        if load_optimizer:
+            load_optimizer_state(directory, self.optimizer, self.scheduler)
+            self._offload.location = "device"
+        self.optimizer_steps = int(state["optimizer_steps"])
+
+    def _load_model_weights(self, directory: Path) -> None:
+        single = directory / "model.safetensors"
+        sharded = directory / "model.safetensors.index.json"
+        weights_file = single if single.is_file() else sharded
+        if not weights_file.is_file():
+            raise CheckpointError(
+                f"checkpoint file {single} (or {sharded.name}) is missing in {directory}"
+            )
+        try:
+            # from_pretrained resolves shards and tied weights the way save_pretrained wrote them.
+            loaded = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+            self.model.load_state_dict(loaded.state_dict(), strict=True)
+        except Exception as exc:
+            raise CheckpointError(
+                f"checkpoint file {weights_file} is corrupt or does not match the model: {exc}"
+            ) from exc
+
+    # ------------------------------------------------------------------ the Trainer contract
+
+    async def get_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """[B, L] logprobs of ``input_ids`` under the current weights (no grad), on CPU."""
+        return await self._executor.run(self._get_logprobs, batch)
+
+    async def begin_train_step(self) -> None:
+        await self._executor.run(self._begin_train_step)
+
+    async def train_microbatches(
+        self,
+        batch: TrainBatch,
+        *,
+        step_num_sequences: int,
+        step_num_tokens: int | None = None,
+    ) -> dict[str, float]:
+        """Accumulate the gradient of ``batch``'s share of the step (see module docstring)."""
+        return await self._executor.run(
+            self._train_microbatches, batch, step_num_sequences, step_num_tokens
+        )
+
+    async def finish_train_step(self) -> dict[str, float]:
+        """One optimizer step; metrics include grad_norm, lr, optimizer_steps and loss stats."""
+        return await self._executor.run(self._finish_train_step)
+
+    async def export_weights(self) -> dict[str, torch.Tensor]:
+        """CPU float32 state dict (contiguous copies, every key incl. tied lm_head.weight)."""
+        return await self._executor.run(self._export_weights)
+
+    async def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        await self._executor.run(self._load_weights, state_dict)
+
+    async def save_checkpoint(self, directory: Path, *, save_optimizer: bool) -> None:
+        await self._executor.run(self._save_checkpoint, Path(directory), save_optimizer)
+
+    async def load_checkpoint(self, directory: Path, *, load_optimizer: bool) -> None:
+        await self._executor.run(self._load_checkpoint, Path(directory), load_optimizer)
+
+    async def offload_optimizer(self) -> None:
+        await self._executor.run(self._offload.offload)
+
+    async def reload_optimizer(self) -> None:
+        await self._executor.run(self._offload.reload)
+
+    async def get_state(self) -> dict[str, Any]:
+        """optimizer_steps, optimizer location and transitions, lr (for Ray callers)."""
+        return await self._executor.run(self.state)
+
+
+def create_policy_worker_actor(
+    policy_cfg: PolicyConfig,
+    loss_cfg: LossConfig,
+    *,
+    model_path: str | os.PathLike[str] | None = None,
+    seed: int = 0,
+    num_cpus: float = 1,
+    num_gpus: float = 0,
+    torch_num_threads: int | None = 1,
+    **actor_options: Any,
+) -> Any:
+    """Start a ``PolicyWorker`` as a Ray actor (an async actor: methods are awaited remotely).
+
+    ``actor_options`` go to ``.options()`` (name, namespace, lifetime, ...). Returns the
+    actor handle; call methods as ``await handle.train_microbatches.remote(...)``.
+    """
+    import ray
+
+    actor_class = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(PolicyWorker)
+    if actor_options:
+        actor_class = actor_class.options(**actor_options)
+    return actor_class.remote(
+        policy_cfg,
+        loss_cfg,
+        model_path=None if model_path is None else str(model_path),
+        seed=seed,
+        torch_num_threads=torch_num_threads,
+    )

@@ -1,0 +1,332 @@
+"""Pieces the policy and value workers share: optimizer and scheduler, mixed precision,
+optimizer-state offload, the split-step bookkeeping, and checkpoint sidecar files.
+
+A worker's public methods are ``async`` (the trainer contract) but their work is plain
+blocking torch code. ``SerialExecutor.run`` runs it in a worker thread, one call at a time, so
+that an in-process caller's event loop (the controller's two pumps) keeps turning while a
+train step runs, and a Ray actor keeps answering.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import threading
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from tandemrl.config.models import OptimizerConfig, SchedulerConfig
+from tandemrl.training.losses import AllMaskedStepError
+
+T = TypeVar("T")
+
+OPTIMIZER_FILE = "optimizer.pt"
+WORKER_STATE_FILE = "worker_state.json"
+CHECKPOINT_FORMAT = 1
+
+
+class CheckpointError(RuntimeError):
+    """A trainer checkpoint file is missing, unreadable or does not match the worker."""
+
+
+class TrainStepError(RuntimeError):
+    """The split train API was driven out of order, or a step's inputs are inconsistent."""
+
+
+class SerialExecutor:
+    """Runs blocking calls in a thread, one at a time (a lock guards the model)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def _locked(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        with self._lock:
+            return fn(*args, **kwargs)
+
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        return await asyncio.to_thread(self._locked, fn, *args, **kwargs)
+
+
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """Autocast dtype for ``policy.precision``; parameters stay float32 (the master copy).
+
+    "auto": bfloat16 autocast on CUDA, plain float32 on CPU.
+    """
+    if precision == "float32":
+        return None
+    if precision == "bfloat16":
+        return torch.bfloat16
+    if precision == "auto":
+        return torch.bfloat16 if device.type == "cuda" else None
+    raise ValueError(f"unknown precision {precision!r}; use auto, float32 or bfloat16")
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def build_optimizer(
+    params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig, device: torch.device
+) -> torch.optim.AdamW:
+    """AdamW from the config; the fused kernel on CUDA."""
+    return torch.optim.AdamW(
+        list(params),
+        lr=cfg.lr,
+        betas=tuple(cfg.betas),
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        fused=device.type == "cuda",
+    )
+
+
+class WarmupFactor:
+    """lr multiplier: (step + 1) / warmup_steps for the first ``warmup_steps`` steps, then 1.
+
+    The first optimizer step uses lr / warmup_steps; step ``warmup_steps - 1`` the full lr.
+    A class (not a lambda) so that the scheduler pickles.
+    """
+
+    def __init__(self, warmup_steps: int) -> None:
+        self.warmup_steps = warmup_steps
+
+    def __call__(self, step: int) -> float:
+        if self.warmup_steps <= 0:
+            return 1.0
+        return min(1.0, (step + 1) / self.warmup_steps)
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: SchedulerConfig | None
+) -> torch.optim.lr_scheduler.LambdaLR:
+    warmup = cfg.warmup_steps if cfg is not None and cfg.name == "linear_warmup" else 0
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupFactor(warmup))
+
+
+class OptimizerOffload:
+    """Moves an optimizer's state between the accelerator and host memory.
+
+    On CUDA, ``offload`` copies every state tensor to CPU and frees the device copy;
+    ``reload`` moves it back next to the parameters. On CPU there is nothing to move: both
+    calls only record the transition (``location`` and ``transitions``), so the phase logic
+    is exercised and observable in CPU tests without pretending that memory was freed.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+        self.optimizer = optimizer
+        self.device = device
+        self.location = "device"
+        self.transitions: list[str] = []
+
+    def _move(self, target: torch.device) -> None:
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                # AdamW keeps "step" on CPU unless fused/capturable: leave it where it is.
+                if torch.is_tensor(value) and key != "step":
+                    state[key] = value.to(target, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def offload(self) -> None:
+        if self.location == "cpu":
+            return
+        if self.device.type == "cuda":
+            self._move(torch.device("cpu"))
+            torch.cuda.empty_cache()
+        self.location = "cpu"
+        self.transitions.append("offload")
+
+    def reload(self) -> None:
+        if self.location == "device":
+            return
+        if self.device.type == "cuda":
+            self._move(self.device)
+        self.location = "device"
+        self.transitions.append("reload")
+
+
+class StepTracker:
+    """Bookkeeping of one split RL step: begin → chunks → finish.
+
+    Aggregates the per-micro-batch loss metrics (token-weighted means, maxima) and the
+    step's valid-token count, and checks the declared ``step_num_tokens`` against the
+    tokens the chunks actually held: a mismatch means the loss was normalized by the wrong
+    count, which ``finish`` refuses.
+    """
+
+    MAX_KEYS = ("is_weight_max",)
+    SUM_KEYS = ("loss", "value_loss", "num_tokens")
+
+    def __init__(self) -> None:
+        self.active = False
+        self.reset()
+
+    def reset(self) -> None:
+        self.chunks = 0
+        self.valid_tokens = 0
+        self.declared_tokens: int | None = None
+        self.declared_sequences: int | None = None
+        self._sums: dict[str, float] = {}
+        self._weights: dict[str, float] = {}
+
+    def begin(self) -> None:
+        self.reset()
+        self.active = True
+
+    def require_active(self, what: str) -> None:
+        if not self.active:
+            raise TrainStepError(f"{what} called outside a train step: call begin_train_step first")
+
+    def declare(
+        self,
+        *,
+        step_num_sequences: int,
+        step_num_tokens: int | None,
+        chunk_tokens: int,
+    ) -> int:
+        """Record one chunk's declared step sizes; returns the token normalizer to use."""
+        self.require_active("train_microbatches")
+        if step_num_sequences <= 0:
+            raise TrainStepError(f"step_num_sequences must be positive, got {step_num_sequences}")
+        if step_num_tokens is None:
+            if self.chunks > 0:
+                raise TrainStepError(
+                    "train_microbatches was called more than once in this step without "
+                    "step_num_tokens; pass the whole step's sum(token_mask x sample_mask) "
+                    "(tandemrl.training.batch.count_loss_tokens) so chunks weigh like one step"
+                )
+            step_num_tokens = chunk_tokens
+        if step_num_tokens <= 0:
+            raise AllMaskedStepError(
+                "every completion of this RL step is masked out (step_num_tokens is 0): "
+                "there is nothing to train on"
+            )
+        for name, value, previous in (
+            ("step_num_tokens", step_num_tokens, self.declared_tokens),
+            ("step_num_sequences", step_num_sequences, self.declared_sequences),
+        ):
+            if previous is not None and previous != value:
+                raise TrainStepError(
+                    f"{name} changed within one step ({previous} then {value}); every chunk "
+                    "of a step must pass the whole step's count"
+                )
+        self.declared_tokens = step_num_tokens
+        self.declared_sequences = step_num_sequences
+        self.chunks += 1
+        return step_num_tokens
+
+    def add(self, metrics: dict[str, float]) -> None:
+        tokens = metrics.get("num_tokens", 0.0)
+        self.valid_tokens += int(tokens)
+        for key, value in metrics.items():
+            if key in self.MAX_KEYS:
+                self._sums[key] = max(self._sums.get(key, -math.inf), value)
+            elif key in self.SUM_KEYS:
+                self._sums[key] = self._sums.get(key, 0.0) + value
+            else:
+                self._sums[key] = self._sums.get(key, 0.0) + value * tokens
+                self._weights[key] = self._weights.get(key, 0.0) + tokens
+
+    def summary(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for key, value in self._sums.items():
+            if key in self._weights:
+                weight = self._weights[key]
+                out[key] = value / weight if weight > 0 else 0.0
+            else:
+                out[key] = value
+        out["num_chunks"] = float(self.chunks)
+        return out
+
+    def check_finish(self) -> None:
+        self.require_active("finish_train_step")
+        if self.valid_tokens == 0:
+            raise AllMaskedStepError(
+                "every completion of this RL step is masked out (no chunk held a token with "
+                "token_mask x sample_mask = 1): refusing to apply an empty optimizer step"
+            )
+        if self.declared_tokens is not None and self.declared_tokens != self.valid_tokens:
+            raise TrainStepError(
+                f"the step's chunks held {self.valid_tokens} valid tokens but step_num_tokens "
+                f"was {self.declared_tokens}: the loss was normalized by the wrong count "
+                "(a chunk is missing, or the count ignored sample_mask)"
+            )
+
+
+def grad_norm_and_clip(params: Iterable[torch.nn.Parameter], max_grad_norm: float | None) -> float:
+    """Total gradient norm before clipping; clips to ``max_grad_norm`` when set.
+
+    A non-finite norm raises: stepping on it would write NaNs into every weight.
+    """
+    params = [p for p in params if p.grad is not None]
+    limit = max_grad_norm if max_grad_norm is not None else math.inf
+    norm = float(torch.nn.utils.clip_grad_norm_(params, limit).item()) if params else 0.0
+    if not math.isfinite(norm):
+        raise FloatingPointError(
+            f"gradient norm is {norm}; refusing the optimizer step (lower the lr, check the "
+            "advantages and logprobs for inf/NaN)"
+        )
+    return norm
+
+
+def write_worker_state(directory: Path, state: dict[str, Any]) -> None:
+    payload = {"format": CHECKPOINT_FORMAT, **state}
+    (directory / WORKER_STATE_FILE).write_text(json.dumps(payload, sort_keys=True) + "\n")
+
+
+def read_worker_state(directory: Path) -> dict[str, Any]:
+    path = directory / WORKER_STATE_FILE
+    if not path.is_file():
+        raise CheckpointError(
+            f"checkpoint file {path} is missing; {directory} is not a worker checkpoint"
+        )
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"checkpoint file {path} is unreadable: {exc}") from exc
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(
+            f"checkpoint file {path} has format {state.get('format') if isinstance(state, dict) else state!r}, "
+            f"expected {CHECKPOINT_FORMAT}"
+        )
+    return state
+
+
+def save_optimizer_state(
+    directory: Path,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+) -> None:
+    torch.save(
+        {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
+        directory / OPTIMIZER_FILE,
+    )
+
+
+def load_optimizer_state(
+    directory: Path,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+) -> None:
+    path = directory / OPTIMIZER_FILE
+    if not path.is_file():
+        raise CheckpointError(
+            f"checkpoint file {path} is missing: the checkpoint was saved without optimizer "
+            "state (checkpointing.save_optimizer: false); load it with load_optimizer=False"
+        )
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(payload, dict) or {"optimizer", "scheduler"} - payload.keys():
+            raise CheckpointError("expected a dict with 'optimizer' and 'scheduler' entries")
+        optimizer.load_state_dict(payload["optimizer"])
+        scheduler.load_state_dict(payload["scheduler"])
+    except Exception as exc:
+        raise CheckpointError(
+            f"checkpoint file {path} is corrupt or does not match: {exc}"
+        ) from exc
