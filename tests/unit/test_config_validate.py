@@ -67,7 +67,7 @@ CHECKPOINTED = (
 
 # Custom sampler classes, imported by target "<this module>:<ClassName>".
 class PlainSampler:
-    pass
+    """Declares no capabilities (both class attributes absent)."""
 
 
 class CheckpointableSampler:
