@@ -1,19 +1,28 @@
 """The built-in character tokenizer of the tiny models: one token per character, no merges.
 
-Built offline with the ``tokenizers`` library (a WordLevel model over single characters, a
-pre-tokenizer that isolates every character, a decoder that concatenates) and wrapped as a
-transformers fast tokenizer, so it saves with ``save_pretrained`` and loads back with
-``AutoTokenizer.from_pretrained`` like any hub tokenizer.
+Built offline with the ``tokenizers`` library and wrapped as a transformers fast tokenizer, so
+it saves with ``save_pretrained`` and loads back with ``AutoTokenizer.from_pretrained``.
+
+Why it is a byte-level BPE with an empty merge list rather than a plain WordLevel model:
+transformers 5 ignores the saved pipeline for ``model_type == "qwen2"`` folders and rebuilds a
+``Qwen2Tokenizer`` (byte-level BPE, Qwen's split regex) from the saved vocabulary and merges.
+Using exactly that pipeline here, with no merges, makes every loader (``AutoTokenizer`` on a
+Qwen2 or Llama folder, ``PreTrainedTokenizerFast.from_pretrained``) produce the same ids, and a
+BPE without merges is a pure character split. Vocabulary entries are therefore byte-level
+symbols (space is ``"Ġ"`` in ``convert_ids_to_tokens``); ``decode`` gives back plain text.
 
 Ids 0-3 are the special tokens (``<pad>``, ``<eos>``, ``<bos>``, ``<unk>``), then one id per
-character of ``CHAR_ALPHABET`` in order. A character outside the alphabet encodes to ``<unk>``.
-Nothing is added around the text: ``encode("58=")`` is exactly three ids.
+character of ``CHAR_ALPHABET`` in order. Nothing is added around the text: ``"58="`` is three
+ids. A character outside the alphabet is dropped by the encoder (byte-level BPE without that
+byte, as ``Qwen2Tokenizer`` does); ``<unk>`` exists so that every loader agrees on the
+vocabulary size.
 """
 
 from __future__ import annotations
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
+from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
 PAD_TOKEN = "<pad>"
 EOS_TOKEN = "<eos>"
@@ -26,17 +35,47 @@ SPECIAL_TOKENS = (PAD_TOKEN, EOS_TOKEN, BOS_TOKEN, UNK_TOKEN)
 CHAR_ALPHABET = "0123456789=+-*/.,:() "
 
 
+def byte_level_symbol(char: str) -> str:
+    """The printable stand-in byte-level BPE uses for a one-byte character (GPT-2 mapping)."""
+    code = ord(char)
+    if code > 255:
+        raise ValueError(
+            f"character {char!r} is not a single byte; the tiny tokenizer is ASCII-only"
+        )
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    if code in printable:
+        return char
+    # Non-printable bytes map, in byte order, to 256, 257, ...
+    return chr(256 + [byte for byte in range(256) if byte not in printable].index(code))
+
+
 def build_char_tokenizer(alphabet: str = CHAR_ALPHABET) -> PreTrainedTokenizerFast:
     """A fast tokenizer that maps every character of ``alphabet`` to its own id."""
     if len(set(alphabet)) != len(alphabet):
         raise ValueError(f"tokenizer alphabet {alphabet!r} repeats a character")
     vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS)}
     for char in alphabet:
-        vocab[char] = len(vocab)
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
-    # "[\s\S]" is any character, newline included (Oniguruma has no inline DOTALL flag).
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    backend.decoder = decoders.Fuse()
+        vocab[byte_level_symbol(char)] = len(vocab)
+    # The same pipeline Qwen2Tokenizer builds, with an empty merge list.
+    backend = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=[],
+            unk_token=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+            byte_fallback=False,
+        )
+    )
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    backend.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,
         pad_token=PAD_TOKEN,
