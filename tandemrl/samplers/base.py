@@ -211,14 +211,18 @@ class PromptGroupSampler(ABC):
     def closed(self) -> bool:
         return self._closed
 
-    async def _wait_for_notify(self) -> None:
+    def _wakeup_event(self) -> asyncio.Event:
+        """The event the next ``notify`` sets (created synchronously, so no notify is missed)."""
         # One event per notify "generation": notify() sets it and drops it, so every waiter
         # that was parked before the notify wakes, and later waiters park on a fresh event.
         loop = asyncio.get_running_loop()
         if self._wakeup is None or self._wakeup_loop is not loop:
             self._wakeup = asyncio.Event()
             self._wakeup_loop = loop
-        await self._wakeup.wait()
+        return self._wakeup
+
+    async def _wait_for_notify(self) -> None:
+        await self._wakeup_event().wait()
 
     # ------------------------------------------------------------------ helpers
 

@@ -129,7 +129,7 @@ class StructuralSamplerAdapter(PromptGroupSampler):
             while not inner_admit.done():
                 if self.closed:
                     raise SamplerClosed(f"{self.name} sampler is closed")
-                wakeup = asyncio.ensure_future(self._wait_for_notify())
+                wakeup = asyncio.ensure_future(self._wakeup_event().wait())
                 try:
                     await asyncio.wait({inner_admit, wakeup}, return_when=asyncio.FIRST_COMPLETED)
                 finally:
