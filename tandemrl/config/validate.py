@@ -12,7 +12,6 @@ sections, plus the limits of this project's backends (no Megatron, no Mooncake).
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -36,18 +35,6 @@ class ConfigError(ValueError):
         super().__init__("\n".join([header, *(f"  - {m}" for m in self.messages)]))
 
 
-def import_custom_sampler_class(target: str) -> type:
-    """Import ``module:ClassName``; raises ImportError/AttributeError/ValueError on failure."""
-    module_name, sep, class_name = target.partition(":")
-    if not sep or not module_name or not class_name:
-        raise ValueError(f"{target!r} is not of the form 'module:ClassName'")
-    module = importlib.import_module(module_name)
-    sampler_class = getattr(module, class_name)
-    if not isinstance(sampler_class, type):
-        raise TypeError(f"{target!r} is not a class")
-    return sampler_class
-
-
 def validate_single_controller_config(cfg: MasterConfig) -> list[str]:
     """Check every cross-field rule; return warnings, raise ConfigError listing all errors."""
     check = _Checker(cfg)
@@ -65,7 +52,7 @@ class _Checker:
         self.errors: list[str] = []
         self.warnings: list[str] = []
         self.sampler = cfg.async_rl.sampler
-        # (class, error) for a custom sampler; imported once, used by several rules.
+        # The imported class of a custom sampler (None when it failed to import).
         self._custom_class: type | None = None
 
     def error(self, message: str) -> None:
@@ -92,14 +79,16 @@ class _Checker:
     def check_custom_sampler_import(self) -> None:
         if not isinstance(self.sampler, CustomSamplerConfig):
             return
-        target = self.sampler.target
+        # Imported lazily: the samplers package imports this config package.
+        from tandemrl.samplers import SamplerConfigError, load_sampler_class
+
         try:
-            self._custom_class = import_custom_sampler_class(target)
-        except (ImportError, AttributeError, ValueError, TypeError) as exc:
-            self.error(
-                f"async_rl.sampler.target: cannot import custom sampler {target!r} ({exc}); "
-                "give an importable 'module:ClassName' of a PromptGroupSampler"
-            )
+            self._custom_class = load_sampler_class(self.sampler.target)
+        except SamplerConfigError as exc:
+            message = str(exc)
+            if not message.startswith("async_rl.sampler.target"):
+                message = f"async_rl.sampler.target: {message}"
+            self.error(message)
 
     def sampler_declares(self, attribute: str) -> bool:
         """Built-in samplers declare every capability; a custom class must set it to True."""

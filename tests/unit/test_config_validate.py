@@ -67,16 +67,37 @@ CHECKPOINTED = (
 
 # Custom sampler classes, imported by target "<this module>:<ClassName>".
 class PlainSampler:
-    """Declares no capabilities (both class attributes absent)."""
+    """Structurally a PromptGroupSampler; declares no capabilities."""
+
+    async def admit(self, *, trainer_version_fn):
+        return None
+
+    async def select(self, *, current_train_weight, min_prompt_groups, max_prompt_groups):
+        return None, 0
+
+    async def evict(self, *, current_train_weight):
+        return []
+
+    def should_abort_inflight(self, *, start_weight, current_train_weight):
+        return False
+
+    def required_buffer_capacity(self, groups_per_step):
+        return groups_per_step
 
 
-class CheckpointableSampler:
+class CheckpointableSampler(PlainSampler):
     supports_buffer_checkpoint = True
 
 
-class ClaimingSampler:
+class ClaimingSampler(PlainSampler):
     supports_buffer_checkpoint = True
     supports_training_claims = True
+
+
+class NotASampler:
+    """Has none of the sampler methods."""
+
+    supports_buffer_checkpoint = True
 
 
 def custom(class_name: str) -> str:
@@ -525,6 +546,11 @@ def test_custom_sampler_that_cannot_be_imported_is_an_error():
         "async_rl.sampler.target",
     )
     find(errors("async_rl.sampler={name: custom, target: 'no_colon'}"), "async_rl.sampler.target")
+
+
+def test_custom_sampler_that_is_not_a_sampler_is_an_error():
+    message = find(errors(custom("NotASampler")), "async_rl.sampler.target")
+    assert "PromptGroupSampler" in message
 
 
 # --------------------------------------------------------------------------- rollout snapshots
