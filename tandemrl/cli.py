@@ -69,7 +69,7 @@ def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _load_and_validate(args: argparse.Namespace) -> MasterConfig | None:
+def _load_and_validate(args: argparse.Namespace, *, show_warnings: bool) -> MasterConfig | None:
     """The validated config, or None after printing every problem to stderr."""
     try:
         cfg = load_config(args.config, args.overrides)
@@ -79,13 +79,14 @@ def _load_and_validate(args: argparse.Namespace) -> MasterConfig | None:
         for message in exc.messages:
             print(message, file=sys.stderr)
         return None
-    for warning in warnings:
-        print(f"warning: {warning}", file=sys.stderr)
+    if show_warnings:
+        for warning in warnings:
+            print(f"warning: {warning}", file=sys.stderr)
     return cfg
 
 
 def _validate(args: argparse.Namespace) -> int:
-    cfg = _load_and_validate(args)
+    cfg = _load_and_validate(args, show_warnings=True)
     if cfg is None:
         return EXIT_INVALID
     if args.print:
@@ -96,7 +97,9 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    cfg = _load_and_validate(args)
+    # Refuse an invalid config before importing anything heavy; run_training validates again
+    # and logs the warnings itself.
+    cfg = _load_and_validate(args, show_warnings=False)
     if cfg is None:
         return EXIT_INVALID
     run_training = _import_part(
