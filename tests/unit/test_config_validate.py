@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import copy
-import glob
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,7 +10,6 @@ import pytest
 from tandemrl.config import (
     ConfigError,
     MasterConfig,
-    load_config,
     required_buffer_capacity,
     validate_single_controller_config,
 )
@@ -23,8 +20,6 @@ from tandemrl.config.models import (
     WeightFifoSamplerConfig,
     WindowedSamplerConfig,
 )
-
-REPO = Path(__file__).resolve().parents[2]
 
 GRPO_BASE: dict[str, Any] = {
     "policy": {"train_global_batch_size": 8, "train_micro_batch_size": 4},
@@ -133,22 +128,6 @@ def find(messages: list[str], *needles: str) -> str:
 @pytest.mark.parametrize("base", [GRPO_BASE, PPO_BASE], ids=["grpo", "ppo"])
 def test_base_configs_are_valid(base):
     assert warnings(base=base) == []
-
-
-@pytest.mark.parametrize(
-    "path", sorted(glob.glob(str(REPO / "examples" / "configs" / "*.yaml"))), ids=Path
-)
-def test_every_exemplar_config_validates_without_warnings(path):
-    cfg = load_config(path)
-    assert validate_single_controller_config(cfg) == []
-
-
-def test_exemplars_cover_every_built_in_mode():
-    names = {
-        load_config(path).async_rl.sampler.name
-        for path in glob.glob(str(REPO / "examples" / "configs" / "*.yaml"))
-    }
-    assert names == {"in_order", "weight_fifo", "ready_first", "windowed"}
 
 
 def test_all_violations_are_reported_together():

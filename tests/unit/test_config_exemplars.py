@@ -1,0 +1,112 @@
+"""The exemplar configs in examples/configs: each validates, and each shows what it claims."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tandemrl.config import (
+    MasterConfig,
+    load_config,
+    required_buffer_capacity,
+    validate_single_controller_config,
+)
+
+CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "configs"
+EXEMPLARS = sorted(CONFIGS.glob("*.yaml"))
+
+
+def exemplar(name: str) -> MasterConfig:
+    return load_config(CONFIGS / f"{name}.yaml")
+
+
+def test_the_expected_exemplars_exist():
+    assert {path.stem for path in EXEMPLARS} >= {
+        "grpo_tiny_cpu",
+        "grpo_tiny_cpu_sync",
+        "grpo_tiny_cpu_weight_fifo",
+        "grpo_tiny_cpu_ready_first",
+        "grpo_tiny_cpu_windowed",
+        "grpo_tiny_cpu_colocated",
+        "grpo_tiny_cpu_checkpointed",
+        "ppo_tiny_cpu",
+    }
+
+
+@pytest.mark.parametrize("path", EXEMPLARS, ids=lambda path: path.stem)
+def test_every_exemplar_validates_without_warnings(path):
+    cfg = load_config(path)
+    assert validate_single_controller_config(cfg) == []
+    assert cfg.logger.log_dir == f"runs/{path.stem}"
+
+
+def test_default_job_settings():
+    cfg = exemplar("grpo_tiny_cpu")
+    assert cfg.policy.model_name == "tiny://qwen2-counting"
+    assert (cfg.data.dataset, cfg.env.name) == ("builtin://counting", "counting")
+    generation = cfg.policy.generation
+    assert (generation.backend, generation.colocated.enabled) == ("torch", False)
+    assert (generation.max_new_tokens, generation.temperature) == (4, 1.0)
+    assert (cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt) == (16, 8)
+    assert cfg.policy.train_global_batch_size == 128
+    assert cfg.policy.train_micro_batch_size == 64
+    assert cfg.policy.optimizer.lr == 3e-4
+    assert cfg.policy.optimizer.betas == (0.9, 0.99)
+    assert cfg.policy.max_grad_norm == 1.0
+    assert cfg.loss_fn.entropy_coef == 0.005
+    assert cfg.async_rl.sampler.name == "in_order"
+    assert cfg.async_rl.sampler.max_lookahead_versions == 1
+    assert cfg.loss_fn.use_importance_sampling_correction is True
+    assert cfg.grpo.max_num_steps == 300
+    assert cfg.checkpointing.enabled is False
+
+
+def test_sync_exemplar_is_on_policy():
+    sampler = exemplar("grpo_tiny_cpu_sync").async_rl.sampler
+    assert (sampler.name, sampler.max_lookahead_versions) == ("in_order", 0)
+
+
+@pytest.mark.parametrize("name", ["weight_fifo", "ready_first", "windowed"])
+def test_streaming_exemplars_train_in_chunks(name):
+    cfg = exemplar(f"grpo_tiny_cpu_{name}")
+    assert cfg.async_rl.sampler.name == name
+    assert cfg.async_rl.sampler.max_staleness_versions >= 1
+    assert cfg.async_rl.min_groups_for_streaming_train < cfg.grpo.num_prompts_per_step
+
+
+def test_windowed_exemplar_over_samples():
+    cfg = exemplar("grpo_tiny_cpu_windowed")
+    sampler = cfg.async_rl.sampler
+    gated_capacity = cfg.grpo.num_prompts_per_step * (sampler.max_staleness_versions + 1)
+    assert cfg.async_rl.max_buffered_rollouts > gated_capacity
+    assert sampler.sample_freshest_first is True
+    assert required_buffer_capacity(sampler, cfg.grpo.num_prompts_per_step) <= gated_capacity
+
+
+def test_colocated_exemplar_trains_whole_steps():
+    cfg = exemplar("grpo_tiny_cpu_colocated")
+    assert cfg.policy.generation.colocated.enabled is True
+    assert cfg.policy.generation.backend == "torch"
+    assert cfg.async_rl.min_groups_for_streaming_train == cfg.grpo.num_prompts_per_step
+
+
+def test_checkpointed_exemplar_takes_periodic_snapshots():
+    cfg = exemplar("grpo_tiny_cpu_checkpointed")
+    assert cfg.checkpointing.enabled and cfg.checkpointing.save_data_plane
+    assert cfg.checkpointing.save_period == 1
+    assert cfg.token_capture.enabled
+    assert cfg.rollout_checkpointing.snapshot_attempt_interval_s is not None
+
+
+def test_ppo_exemplar():
+    cfg = exemplar("ppo_tiny_cpu")
+    assert cfg.is_ppo and cfg.grpo is None
+    assert cfg.value is not None and cfg.value_loss_fn is not None
+    assert cfg.ppo.adv_estimator.name == "gae"
+    assert cfg.policy.offload_optimizer_for_logprob is True
+    assert cfg.async_rl.sampler.name == "in_order"
+    assert cfg.async_rl.min_groups_for_streaming_train == cfg.ppo.num_prompts_per_step
+    # critic_ppo_epochs: ${ppo.ppo_epochs} follows an override of ppo_epochs.
+    overridden = load_config(CONFIGS / "ppo_tiny_cpu.yaml", ["ppo.ppo_epochs=3"])
+    assert overridden.ppo.critic_ppo_epochs == 3
