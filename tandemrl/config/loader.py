@@ -24,7 +24,7 @@ import difflib
 import re
 import types
 import typing
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -212,7 +212,7 @@ class _Resolver:
         if not reference or any(not segment for segment in segments):
             self._problem(f"{from_path}: ${{{reference}}} is not a valid dotted path")
             return None
-        value, found_path, missing_at, siblings = _find(self.root, segments)
+        value, found_path, missing_at, siblings = _find(self.root, segments, self.resolve)
         if value is _MISSING:
             close = difflib.get_close_matches(missing_at, siblings, n=1, cutoff=0.6)
             suggestion = f"; did you mean {_join(found_path, close[0])}?" if close else ""
@@ -232,16 +232,22 @@ class _Resolver:
             self.problems.append(message)
 
 
-def _find(root: dict[str, Any], segments: list[str]) -> tuple[Any, str, str, list[str]]:
+def _find(
+    root: dict[str, Any], segments: list[str], resolve: Callable[[Any, str], Any]
+) -> tuple[Any, str, str, list[str]]:
     """Walk ``segments`` through the raw tree, falling back to model defaults.
 
-    Returns (value, deepest path found, first missing segment, keys available there); value
-    is _MISSING when the path exists neither in the file nor among the defaults.
+    A string met on the way is resolved first (``resolve``), so a path may pass through a
+    value that is itself a reference. Returns (value, deepest path found, first missing
+    segment, keys available there); value is _MISSING when the path exists neither in the
+    file nor among the defaults.
     """
     node: Any = root
     model: type[BaseModel] | None = MasterConfig
     walked: list[str] = []
     for segment in segments:
+        if isinstance(node, str):
+            node = resolve(node, ".".join(walked))
         child = _get_child(node, segment)
         if child is _MISSING and model is not None and isinstance(node, dict):
             child = _model_default(model, segment)

@@ -99,6 +99,23 @@ def test_chained_references_resolve(tmp_path):
     assert cfg.data.seed == 3
 
 
+def test_reference_through_a_referenced_block(tmp_path):
+    path = write(
+        tmp_path,
+        """
+        policy:
+          optimizer: {lr: 0.01}
+        value:
+          optimizer: ${policy.optimizer}
+        loss_fn:
+          entropy_coef: ${value.optimizer.lr}
+        """,
+    )
+    cfg = load_config(path)
+    assert cfg.value.optimizer.lr == 0.01
+    assert cfg.loss_fn.entropy_coef == 0.01
+
+
 def test_missing_reference_names_both_dotpaths(tmp_path):
     path = write(
         tmp_path,
