@@ -3,8 +3,9 @@
 ``validate_single_controller_config(cfg)`` runs every rule, collects every violation and
 raises one ``ConfigError`` listing them all; each message names the dotpaths involved and
 says what to change. Conditions that are legal but probably not what the user wants come
-back as warnings. Per-field rules (types, ranges, unknown keys) live in the pydantic models
-and in the loader; this module holds only rules that relate several fields.
+back as warnings. Types, ranges and unknown keys are checked by the pydantic models and the
+loader; this module holds the rules that relate several fields (and the few value checks
+the models leave open, such as rollout_checkpointing.restore_mode).
 
 The rules follow the reference spec's "mandatory settings" and "known missing features"
 sections, plus the limits of this project's backends (no Megatron, no Mooncake).
@@ -161,12 +162,26 @@ class _Checker:
         return "ppo" if cfg.ppo is not None else "grpo"
 
     def check_algorithm(self, algo: str) -> None:
-        cfg = self.cfg
-        block = cfg.algorithm
-        async_rl = cfg.async_rl
-        n_prompts = block.num_prompts_per_step
-        n_generations = block.num_generations_per_prompt
+        """Rules that read the step settings of the one algorithm block."""
+        self.check_legacy_and_epochs(algo)
+        self.check_unsupported_features(algo)
+        self.check_batch_sizes(algo)
+        self.check_streaming(algo)
+        self.check_buffer_and_inflight(algo)
+        self.check_importance_sampling()
+        if algo == "ppo":
+            self.check_ppo()
+        else:
+            for key in ("value", "value_loss_fn"):
+                if getattr(self.cfg, key) is not None:
+                    self.error(
+                        f"{key}: only used by PPO; remove it from a GRPO config (or switch "
+                        "grpo: to ppo:)"
+                    )
+        self.check_warmup_lookahead(algo)
 
+    def check_legacy_and_epochs(self, algo: str) -> None:
+        block = self.cfg.algorithm
         legacy_key = "async_ppo" if algo == "ppo" else "async_grpo"
         if getattr(block, legacy_key) is not None:
             self.error(
@@ -181,6 +196,8 @@ class _Checker:
                 f"steps. Set a positive value and bound the run with {algo}.max_num_steps"
             )
 
+    def check_unsupported_features(self, algo: str) -> None:
+        block = self.cfg.algorithm
         for key in ("val_period", "val_at_start", "val_at_end"):
             value = getattr(block, key)
             if value if isinstance(value, bool) else value > 0:
@@ -200,23 +217,25 @@ class _Checker:
                 "set it to false"
             )
 
-        # One RL step trains on exactly one step's worth of rollouts.
+    def check_batch_sizes(self, algo: str) -> None:
+        """One RL step trains on exactly one step's rollouts, in whole micro batches."""
+        cfg = self.cfg
+        n_prompts = cfg.algorithm.num_prompts_per_step
+        n_generations = cfg.algorithm.num_generations_per_prompt
         step_rows = n_prompts * n_generations
-        batch_sizes = [("policy", cfg.policy.train_global_batch_size)]
-        if algo == "ppo" and cfg.value is not None:
-            batch_sizes.append(("value", cfg.value.train_global_batch_size))
-        for owner, global_batch in batch_sizes:
-            if global_batch != step_rows:
+        trainers: list[tuple[str, Any]] = [("policy", cfg.policy)]
+        if cfg.value is not None:
+            trainers.append(("value", cfg.value))
+        for owner, trainer in trainers:
+            global_batch = trainer.train_global_batch_size
+            micro = trainer.train_micro_batch_size
+            # A GRPO config's value block is refused on its own; its sizes do not matter.
+            if (algo == "ppo" or owner == "policy") and global_batch != step_rows:
                 self.error(
                     f"{owner}.train_global_batch_size: must equal {algo}.num_prompts_per_step x "
                     f"{algo}.num_generations_per_prompt = {n_prompts} x {n_generations} = "
                     f"{step_rows} (got {global_batch}); one RL step trains on one step's rollouts"
                 )
-        micro_sizes = [("policy", cfg.policy.train_micro_batch_size, cfg.policy)]
-        if cfg.value is not None:
-            micro_sizes.append(("value", cfg.value.train_micro_batch_size, cfg.value))
-        for owner, micro, owner_cfg in micro_sizes:
-            global_batch = owner_cfg.train_global_batch_size
             if micro > global_batch:
                 self.error(
                     f"{owner}.train_micro_batch_size: {micro} is larger than "
@@ -228,14 +247,16 @@ class _Checker:
                     f"{owner}.train_global_batch_size ({global_batch}); pick a divisor"
                 )
 
-        min_groups = async_rl.min_groups_for_streaming_train
+    def check_streaming(self, algo: str) -> None:
+        n_prompts = self.cfg.algorithm.num_prompts_per_step
+        min_groups = self.cfg.async_rl.min_groups_for_streaming_train
         if min_groups > n_prompts:
             self.error(
                 f"async_rl.min_groups_for_streaming_train: {min_groups} is larger than "
                 f"{algo}.num_prompts_per_step ({n_prompts}); a train chunk can never exceed a "
                 f"step — set it to at most ${{{algo}.num_prompts_per_step}}"
             )
-        elif cfg.policy.generation.colocated.enabled and min_groups != n_prompts:
+        elif self.cfg.policy.generation.colocated.enabled and min_groups != n_prompts:
             self.error(
                 f"async_rl.min_groups_for_streaming_train: must equal {algo}.num_prompts_per_step "
                 f"({n_prompts}) when policy.generation.colocated.enabled is true (got "
@@ -243,23 +264,11 @@ class _Checker:
                 f"must be one full batch — set it to ${{{algo}.num_prompts_per_step}}"
             )
 
-        self.check_buffer_and_inflight(algo, n_prompts, min_groups)
-        self.check_importance_sampling()
-
-        if algo == "ppo":
-            self.check_ppo()
-        else:
-            for key in ("value", "value_loss_fn"):
-                if getattr(cfg, key) is not None:
-                    self.error(
-                        f"{key}: only used by PPO; remove it from a GRPO config (or switch "
-                        "grpo: to ppo:)"
-                    )
-        self.check_warmup_lookahead(algo)
-
-    def check_buffer_and_inflight(self, algo: str, n_prompts: int, min_groups: int) -> None:
+    def check_buffer_and_inflight(self, algo: str) -> None:
         async_rl = self.cfg.async_rl
         sampler = self.sampler
+        n_prompts = self.cfg.algorithm.num_prompts_per_step
+        min_groups = async_rl.min_groups_for_streaming_train
         if sampler.name in BUILTIN_SAMPLER_MODES:
             required = required_buffer_capacity(sampler, n_prompts)
             if async_rl.max_buffered_rollouts < required:
