@@ -289,6 +289,19 @@ def test_weight_fifo_waits_for_oldest_weight_then_moves_on() -> None:
     assert ids(select(sampler, 1, lo=1, hi=2)[0]) == ["w1a"]
 
 
+def test_weight_fifo_does_not_let_a_slow_group_age_out() -> None:
+    """N=1, L=1: g0 and g1 dispatched at weight 0; g1 finishes first and trains step 0; g2
+    (weight 1) finishes before g0. Taking g2 at step 1 would leave g0 (weight 0) outside the
+    window [1, 2] at step 2, never trainable; weight_fifo waits for g0 instead."""
+    buffer = new_buffer()
+    add(buffer, "g0", 0, ready=False)
+    add(buffer, "g2", 1)
+    sampler = WeightFifoSampler(buffer, groups_per_step=1, max_staleness_versions=1)
+    assert select(sampler, 1, lo=1, hi=1) == (None, 0)
+    buffer.commit("g0", rows("g0"), end_weight=1)
+    assert ids(select(sampler, 1, lo=1, hi=1)[0]) == ["g0"]
+
+
 def test_weight_fifo_ignores_in_flight_groups_older_than_the_window() -> None:
     buffer = new_buffer()
     add(buffer, "ancient", 0, ready=False)
