@@ -1,0 +1,96 @@
+"""The SingleController as a Ray actor: a thin wrapper that builds and runs the plain class.
+
+The driver creates the heavy workers (generation engines, policy trainer) and hands their
+handles here; this actor builds the light, pure-state parts (buffer, sampler, data plane,
+dataloader, ledger) from the config in its own process, runs both pumps in its event loop,
+and lets the driver poll finished steps (``progress``) and what each pump waits on
+(``status``) while ``run`` is in progress. It reserves no CPU: it mostly waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import torch
+
+from tandemrl.config.models import MasterConfig
+from tandemrl.controller.build import ControllerParts, build_controller
+from tandemrl.controller.ray_proxy import ActorProxy
+from tandemrl.controller.single_controller import SingleController
+from tandemrl.controller.weight_sync import RayObjectStoreWeightSync
+from tandemrl.envs import create_environment
+from tandemrl.models import load_tokenizer
+from tandemrl.rollout.manager import TextCodec
+
+
+def text_codec(tokenizer: Any) -> TextCodec:
+    return TextCodec(
+        encode=lambda text: tokenizer.encode(text, add_special_tokens=False),
+        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+    )
+
+
+class SingleControllerActor:
+    def __init__(
+        self,
+        cfg: MasterConfig,
+        model_path: str,
+        trainer_handle: Any,
+        engine_handles: list[Any],
+    ) -> None:
+        torch.set_num_threads(1)
+        logging.basicConfig(level=cfg.logger.level)
+        self.cfg = cfg
+        self.model_path = model_path
+        self.trainer_handle = trainer_handle
+        self.engine_handles = list(engine_handles)
+        self.controller: SingleController | None = None
+        self._run_task: asyncio.Task[Any] | None = None
+
+    def _build(self) -> SingleController:
+        engines = [ActorProxy(handle) for handle in self.engine_handles]
+        controller_box: list[SingleController] = []
+
+        def alive_engine_handles() -> list[Any]:
+            pool = controller_box[0].generation
+            return [engine.handle for engine in pool.engines]
+
+        parts = ControllerParts(
+            trainer=ActorProxy(self.trainer_handle),
+            engines=engines,
+            env=create_environment(self.cfg.env),
+            codec=text_codec(load_tokenizer(self.model_path)),
+            weight_sync=RayObjectStoreWeightSync(self.trainer_handle, alive_engine_handles),
+        )
+        controller = build_controller(self.cfg, parts)
+        controller_box.append(controller)
+        return controller
+
+    async def run(self) -> list[dict[str, float]]:
+        self.controller = self._build()
+        self._run_task = asyncio.current_task()
+        return await self.controller.run()
+
+    async def progress(self, since: int) -> list[dict[str, float]]:
+        """Metrics rows of the steps finished after the first ``since`` ones."""
+        if self.controller is None:
+            return []
+        return self.controller.history[since:]
+
+    async def status(self) -> dict[str, Any]:
+        if self.controller is None:
+            return {"state": "building"}
+        return {
+            "step": self.controller.state.step,
+            "trainer_version": self.controller.trainer_version,
+            "inflight": self.controller.inflight_count,
+            "waiting_on": dict(self.controller.waiting_on),
+        }
+
+    async def stop(self) -> None:
+        if self._run_task is not None and not self._run_task.done():
+            self._run_task.cancel()

@@ -1,0 +1,49 @@
+"""The checkpoint barrier: a snapshot sees the buffer and the data plane in one consistent state.
+
+Group commits and destructive data-plane clears are *mutations*; many may run at once.
+A snapshot *capture* waits until running mutations finish and holds new ones back until it is
+done, so the data-plane snapshot and the replay index describe the same groups. Generation
+itself never waits here: only the short commit/clear sections do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+
+class CheckpointBarrier:
+    def __init__(self) -> None:
+        self._mutations = 0
+        self._capturing = False
+        self._changed = asyncio.Condition()
+
+    @asynccontextmanager
+    async def mutation(self) -> AsyncIterator[None]:
+        async with self._changed:
+            await self._changed.wait_for(lambda: not self._capturing)
+            self._mutations += 1
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self._mutations -= 1
+                self._changed.notify_all()
+
+    @asynccontextmanager
+    async def capture(self) -> AsyncIterator[None]:
+        async with self._changed:
+            await self._changed.wait_for(lambda: not self._capturing)
+            self._capturing = True
+            await self._changed.wait_for(lambda: self._mutations == 0)
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self._capturing = False
+                self._changed.notify_all()
+
+    @property
+    def capturing(self) -> bool:
+        return self._capturing

@@ -1,0 +1,134 @@
+"""Assemble a SingleController from the config and the heavy parts it is handed.
+
+``build_controller`` makes every pure-state part (replay buffer, sampler, data plane,
+dataloader, ledger, budgets, barrier, rollout manager) from the config; the heavy parts —
+trainer, generation engines, weight synchroniser, environment, text codec — are arguments.
+Tests and benchmarks pass fakes; ``tandemrl.controller.setup`` passes Ray workers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tandemrl.buffer import ReplayBuffer
+from tandemrl.config.models import MasterConfig
+from tandemrl.controller.barrier import CheckpointBarrier
+from tandemrl.controller.single_controller import ControllerSettings, SingleController, StepHook
+from tandemrl.controller.weight_sync import DirectWeightSync, WeightSynchronizer
+from tandemrl.data.dataloader import PromptDataLoader
+from tandemrl.dataplane import create_data_plane
+from tandemrl.dataplane.base import DataPlane
+from tandemrl.envs.base import Environment
+from tandemrl.rollout.failures import FailureBudgets
+from tandemrl.rollout.generation_pool import GenerationPool
+from tandemrl.rollout.ledger import OwnershipLedger
+from tandemrl.rollout.manager import RolloutManager, SamplingParams, TextCodec
+from tandemrl.samplers import create_sampler
+
+
+@dataclass
+class ControllerParts:
+    trainer: Any
+    engines: list[Any]
+    env: Environment
+    codec: TextCodec
+    weight_sync: WeightSynchronizer | None = None  # default: DirectWeightSync(trainer, pool)
+    data_plane: DataPlane | None = None  # default: from cfg.data_plane
+    dataloader: PromptDataLoader | None = None  # default: from cfg.data
+
+
+def controller_settings(cfg: MasterConfig, *, pad_token_id: int) -> ControllerSettings:
+    algo = cfg.algorithm
+    failure = cfg.async_rl.rollout_failure
+    return ControllerSettings(
+        num_prompts_per_step=algo.num_prompts_per_step,
+        group_size=algo.num_generations_per_prompt,
+        max_num_steps=algo.max_num_steps,
+        min_groups_for_streaming_train=cfg.async_rl.min_groups_for_streaming_train,
+        max_inflight_prompts=cfg.async_rl.max_inflight_prompts,
+        colocated=cfg.policy.generation.colocated.enabled,
+        leave_one_out_baseline=getattr(algo, "use_leave_one_out_baseline", True),
+        normalize_rewards=getattr(algo, "normalize_rewards", True),
+        on_dropped_prompt=failure.on_dropped_prompt,
+        min_step_batch_fraction=failure.min_step_batch_fraction,
+        pad_token_id=pad_token_id,
+    )
+
+
+def build_controller(
+    cfg: MasterConfig, parts: ControllerParts, *, step_hooks: list[StepHook] | None = None
+) -> SingleController:
+    algo = cfg.algorithm
+    failure = cfg.async_rl.rollout_failure
+    buffer = ReplayBuffer(
+        group_size=algo.num_generations_per_prompt, capacity=cfg.async_rl.max_buffered_rollouts
+    )
+    sampler = create_sampler(
+        cfg.async_rl.sampler, buffer, groups_per_step=algo.num_prompts_per_step
+    )
+    data_plane = parts.data_plane or create_data_plane(cfg.data_plane)
+    dataloader = parts.dataloader or PromptDataLoader.from_config(
+        cfg.data, max_num_epochs=algo.max_num_epochs
+    )
+    pool = GenerationPool(parts.engines, generation_timeout_s=failure.generation_timeout_s)
+    barrier = CheckpointBarrier()
+    generation_cfg = cfg.policy.generation
+    stop_ids = tuple(generation_cfg.stop_token_ids)
+    if parts.codec.eos_token_id is not None and parts.codec.eos_token_id not in stop_ids:
+        stop_ids = (*stop_ids, parts.codec.eos_token_id)
+    manager = RolloutManager(
+        buffer=buffer,
+        data_plane=data_plane,
+        generation=pool,
+        env=parts.env,
+        codec=parts.codec,
+        sampling=SamplingParams(
+            max_new_tokens=generation_cfg.max_new_tokens,
+            temperature=generation_cfg.temperature,
+            top_p=generation_cfg.top_p,
+            stop_token_ids=stop_ids,
+        ),
+        group_size=algo.num_generations_per_prompt,
+        failure_cfg=failure,
+        ledger=OwnershipLedger(cfg.rollout_recovery, token_capture=cfg.token_capture.enabled),
+        budgets=FailureBudgets(failure),
+        barrier=barrier,
+        overlong_filtering=algo.overlong_filtering,
+        seed=algo.seed,
+    )
+    return SingleController(
+        settings=controller_settings(cfg, pad_token_id=parts.codec.pad_token_id),
+        buffer=buffer,
+        sampler=sampler,
+        data_plane=data_plane,
+        dataloader=dataloader,
+        rollout_manager=manager,
+        generation=pool,
+        trainer=parts.trainer,
+        weight_sync=parts.weight_sync or DirectWeightSync(parts.trainer, pool),
+        barrier=barrier,
+        step_hooks=step_hooks,
+    )
+
+
+def build_fake_controller(
+    cfg: MasterConfig,
+    *,
+    trainer: Any,
+    engines: list[Any],
+    dataloader: PromptDataLoader | None = None,
+    step_hooks: list[StepHook] | None = None,
+) -> SingleController:
+    """A controller over fakes (tests and benchmarks): counting task, fake text codec."""
+    from tandemrl.envs.counting import CountingEnv
+    from tandemrl.generation.fake import fake_codec
+
+    parts = ControllerParts(
+        trainer=trainer,
+        engines=engines,
+        env=CountingEnv(),
+        codec=fake_codec(),
+        dataloader=dataloader,
+    )
+    return build_controller(cfg, parts, step_hooks=step_hooks)

@@ -1,0 +1,447 @@
+"""SingleController: the rollout pump and the train pump, running concurrently over one buffer.
+
+Rollout pump, per prompt group (reference spec, "Coordination Flow"):
+
+    wait for room (max_inflight_prompts, max_buffered_rollouts) → sampler.admit (gate; stamps
+    target_step) → draw the prompt → reserve a slot at the current trainer version →
+    RolloutManager.generate_and_push (generate, score, push rows, commit)
+
+Train pump, per RL step:
+
+    sampler.evict → sampler.select (≥ min_groups_for_streaming_train per chunk, a step is
+    num_prompts_per_step groups) → advantage stage → policy begin_train_step /
+    train_microbatches per chunk / finish_train_step → clear the step's rows →
+    trainer_version += 1 → weight sync (rollout permission closed meanwhile)
+
+Both pumps share one ``asyncio`` loop; nothing here blocks it. A crash in either pump ends
+the run with the original exception; in-flight rollouts are cancelled on exit (they stay in
+the ownership ledger, so a checkpoint written then still owns them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tandemrl.controller.barrier import CheckpointBarrier
+from tandemrl.controller.step_metrics import StepAccumulator, TrainedGroup
+from tandemrl.controller.weight_sync import WeightSynchronizer
+from tandemrl.dataplane.base import DataPlane
+from tandemrl.rollout.failures import RolloutDropped
+from tandemrl.rollout.generation_pool import GenerationPool
+from tandemrl.rollout.ledger import UnfinishedGroup
+from tandemrl.rollout.manager import GroupAborted, RolloutManager
+from tandemrl.training.advantages import grpo_advantages
+from tandemrl.training.api import TrainBatch, Trainer
+from tandemrl.training.batch import collate_rows
+
+log = logging.getLogger(__name__)
+
+
+class StepShrunkTooFar(RuntimeError):
+    """Dropped prompts left a step below async_rl.rollout_failure.min_step_batch_fraction."""
+
+
+@dataclass(frozen=True)
+class ControllerSettings:
+    num_prompts_per_step: int
+    group_size: int
+    max_num_steps: int
+    min_groups_for_streaming_train: int
+    max_inflight_prompts: int
+    colocated: bool = False
+    leave_one_out_baseline: bool = True
+    normalize_rewards: bool = True
+    on_dropped_prompt: str = "shrink"
+    min_step_batch_fraction: float = 0.5
+    pad_token_id: int = 0
+
+
+@dataclass
+class ControllerState:
+    """What the controller itself must persist (checkpoints add sampler, buffer, ledger...)."""
+
+    step: int = 0
+    trainer_version: int = 0
+    consumed_groups: int = 0
+    consumed_group_ids: list[str] = field(default_factory=list)
+    dropped_for_step: Counter[int] = field(default_factory=Counter)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "trainer_version": self.trainer_version,
+            "consumed_groups": self.consumed_groups,
+            "dropped_for_step": {str(k): v for k, v in self.dropped_for_step.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.trainer_version = int(state["trainer_version"])
+        self.consumed_groups = int(state["consumed_groups"])
+        self.dropped_for_step = Counter(
+            {int(k): int(v) for k, v in state["dropped_for_step"].items()}
+        )
+
+
+StepHook = Callable[["SingleController", dict[str, float]], Awaitable[None]]
+
+
+class SingleController:
+    def __init__(
+        self,
+        *,
+        settings: ControllerSettings,
+        buffer,  # tandemrl.buffer.ReplayBuffer
+        sampler,  # tandemrl.samplers.PromptGroupSampler
+        data_plane: DataPlane,
+        dataloader,  # tandemrl.data.PromptDataLoader
+        rollout_manager: RolloutManager,
+        generation: GenerationPool,
+        trainer: Trainer,
+        weight_sync: WeightSynchronizer,
+        barrier: CheckpointBarrier,
+        step_hooks: list[StepHook] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.buffer = buffer
+        self.sampler = sampler
+        self.data_plane = data_plane
+        self.dataloader = dataloader
+        self.rollout_manager = rollout_manager
+        self.generation = generation
+        self.trainer = trainer
+        self.weight_sync = weight_sync
+        self.barrier = barrier
+        self.step_hooks = list(step_hooks or [])
+        self.rollout_manager.on_change = self._notify
+        self.state = ControllerState()
+        # Groups restored from a checkpoint's ownership ledger, redispatched before new prompts.
+        self.recovered_groups: list[UnfinishedGroup] = []
+        self._inflight: dict[str, asyncio.Task[None]] = {}
+        self._abort_requested: set[str] = set()
+        self._rollout_permission = asyncio.Event()
+        self._rollout_permission.set()
+        self._changed = asyncio.Event()
+        self._rollout_done = False
+        self._stopping = False
+        self._acc = StepAccumulator()
+        self.waiting_on: dict[str, str] = {"rollout": "not started", "train": "not started"}
+        self.last_progress_at = time.monotonic()
+        self.history: list[dict[str, float]] = []
+        # (step index, group) for every group trained by this process: the per-run record.
+        self.trained_groups: list[tuple[int, TrainedGroup]] = []
+
+    # ------------------------------------------------------------------ public
+
+    @property
+    def trainer_version(self) -> int:
+        return self.state.trainer_version
+
+    @property
+    def inflight_count(self) -> int:
+        return len(self._inflight)
+
+    async def run(self) -> list[dict[str, float]]:
+        """Run both pumps until max_num_steps or the data runs out; return per-step metrics."""
+        self._acc = StepAccumulator()
+        rollout = asyncio.create_task(self._rollout_pump(), name="rollout_pump")
+        train = asyncio.create_task(self._train_pump(), name="train_pump")
+        try:
+            pending: set[asyncio.Task[None]] = {rollout, train}
+            while train in pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    task.result()  # re-raises a pump's exception with its original traceback
+        finally:
+            await self.shutdown(rollout, train)
+        return self.history
+
+    async def shutdown(self, *tasks: asyncio.Task[Any]) -> None:
+        """Stop both pumps and cancel in-flight rollouts; nothing is left waiting."""
+        self._stopping = True
+        self.sampler.close()
+        self._notify()
+        inflight = list(self._inflight.values())
+        for task in [*tasks, *inflight]:
+            if not task.done():
+                task.cancel()
+        await asyncio.gather(*tasks, *inflight, return_exceptions=True)
+
+    # ------------------------------------------------------------------ rollout pump
+
+    async def _rollout_pump(self) -> None:
+        while self.recovered_groups and not self._stopping:
+            group = self.recovered_groups[0]
+            await self._wait_for_room()
+            await self._wait_for_permission()
+            self.recovered_groups.pop(0)
+            self.rollout_manager.reserve_recovered(group, current_weight=self.trainer_version)
+            self._launch(group)
+
+        while not self._stopping:
+            if self.dataloader.peek() is None:
+                break
+            await self._wait_for_room()
+            self.waiting_on["rollout"] = "sampler.admit (staleness gate)"
+            blocked_from = time.monotonic()
+            target_step = await self.sampler.admit(trainer_version_fn=lambda: self.trainer_version)
+            await self._wait_for_permission()
+            self._acc.rollout_blocked_s += time.monotonic() - blocked_from
+            item = self.dataloader.next_item()
+            if item is None:
+                break
+            group = self.rollout_manager.reserve(
+                item, start_weight=self.trainer_version, target_step=target_step
+            )
+            self._launch(group)
+            self.waiting_on["rollout"] = "dispatching"
+        self._rollout_done = True
+        self.waiting_on["rollout"] = "data exhausted" if not self._stopping else "stopped"
+        self._notify()
+
+    async def _wait_for_room(self) -> None:
+        blocked_from = time.monotonic()
+        while (
+            len(self._inflight) >= self.settings.max_inflight_prompts
+            or not self.buffer.has_capacity()
+        ):
+            self.waiting_on["rollout"] = (
+                f"room: in-flight {len(self._inflight)}/{self.settings.max_inflight_prompts}, "
+                f"buffer {len(self.buffer)}/{self.buffer.capacity}"
+            )
+            await self._wait_change()
+        self._acc.rollout_blocked_s += time.monotonic() - blocked_from
+
+    async def _wait_for_permission(self) -> None:
+        if not self._rollout_permission.is_set():
+            self.waiting_on["rollout"] = "weight sync (rollout permission closed)"
+            await self._rollout_permission.wait()
+
+    def _launch(self, group: UnfinishedGroup) -> None:
+        task = asyncio.create_task(self._run_group(group), name=f"group:{group.group_id}")
+        self._inflight[group.group_id] = task
+
+    async def _run_group(self, group: UnfinishedGroup) -> None:
+        try:
+            await self.rollout_manager.generate_and_push(group)
+            self.last_progress_at = time.monotonic()
+        except RolloutDropped:
+            self._acc.dropped_prompts += 1
+            self._after_drop(group)
+        except GroupAborted:
+            self._acc.aborted_groups += 1
+        except asyncio.CancelledError:
+            if group.group_id in self._abort_requested and not self._stopping:
+                await self.rollout_manager.drop_aborted(group)
+                self._acc.aborted_groups += 1
+            else:
+                raise
+        finally:
+            self._inflight.pop(group.group_id, None)
+            self._abort_requested.discard(group.group_id)
+            self._notify()
+
+    def _after_drop(self, group: UnfinishedGroup) -> None:
+        """Shrink: the group's step trains short, never below the configured fraction."""
+        step = group.target_step if group.target_step is not None else self.trainer_version
+        self.state.dropped_for_step[step] += 1
+        floor = math.ceil(
+            self.settings.num_prompts_per_step * self.settings.min_step_batch_fraction
+        )
+        if self._groups_for_step(step) < floor:
+            raise StepShrunkTooFar(
+                f"step {step} lost {self.state.dropped_for_step[step]} prompt group(s) and would train "
+                f"{self._groups_for_step(step)} < ceil(num_prompts_per_step * "
+                f"async_rl.rollout_failure.min_step_batch_fraction) = {floor}"
+            )
+
+    def _groups_for_step(self, step: int) -> int:
+        return self.settings.num_prompts_per_step - self.state.dropped_for_step.get(step, 0)
+
+    # ------------------------------------------------------------------ train pump
+
+    async def _train_pump(self) -> None:
+        while self.state.step < self.settings.max_num_steps:
+            trained = await self._train_one_step()
+            if not trained:
+                log.info("no complete step can be assembled any more; ending the run")
+                break
+        self.waiting_on["train"] = "finished"
+
+    async def _train_one_step(self) -> bool:
+        version = self.trainer_version
+        groups_wanted = self._groups_for_step(version)
+        claimed: list[Any] = []
+        began = False
+        while len(claimed) < groups_wanted:
+            await self._evict(version)
+            remaining = groups_wanted - len(claimed)
+            slots, _ = await self.sampler.select(
+                current_train_weight=version,
+                min_prompt_groups=min(self.settings.min_groups_for_streaming_train, remaining),
+                max_prompt_groups=remaining,
+            )
+            if slots is None:
+                if self._no_more_groups_can_arrive():
+                    await self._roll_back(claimed)
+                    return False
+                self.waiting_on["train"] = (
+                    f"data: {len(claimed)}/{groups_wanted} groups of step {version}"
+                )
+                waited_from = time.monotonic()
+                await self._wait_change()
+                self._acc.train_waiting_s += time.monotonic() - waited_from
+                groups_wanted = self._groups_for_step(version)
+                continue
+            self.waiting_on["train"] = f"training chunk of {len(slots)} group(s)"
+            if not began:
+                if self.settings.colocated:
+                    await self.generation.sleep()
+                await self.trainer.begin_train_step()
+                began = True
+            claimed.extend(slots)
+            await self._train_chunk(
+                slots, version, step_num_sequences=groups_wanted * self.settings.group_size
+            )
+        train_metrics = await self.trainer.finish_train_step()
+        await self._close_step(claimed)
+        sync_seconds = await self._bump_version_and_sync()
+        await self._finish_step_bookkeeping(train_metrics, sync_seconds)
+        return True
+
+    async def _evict(self, version: int) -> None:
+        evicted = await self.sampler.evict(current_train_weight=version)
+        if evicted:
+            async with self.barrier.mutation():
+                await self.data_plane.clear([sid for slot in evicted for sid in slot.sample_ids])
+            self._acc.evicted_groups += len(evicted)
+            self._notify()
+
+    async def _train_chunk(
+        self, slots: list[Any], version: int, *, step_num_sequences: int
+    ) -> None:
+        sample_ids = [sid for slot in slots for sid in slot.sample_ids]
+        rows = await self.data_plane.get(sample_ids)
+        batch = self._advantage_stage(slots, rows)
+        batch["prev_logprobs"] = await self.trainer.get_logprobs(batch)
+        await self.trainer.train_microbatches(batch, step_num_sequences=step_num_sequences)
+        for slot in slots:
+            trained = TrainedGroup(
+                group_id=slot.group_id,
+                start_weight=slot.start_weight,
+                end_weight=slot.end_weight,
+                target_step=slot.target_step,
+                staleness=version - slot.start_weight,
+                rewards=[meta.reward for meta in slot.rows_meta],
+                completion_tokens=sum(meta.num_completion_tokens for meta in slot.rows_meta),
+            )
+            self._acc.groups.append(trained)
+            self.trained_groups.append((self.state.step, trained))
+
+    def _advantage_stage(
+        self, slots: list[Any], rows: dict[str, dict[str, torch.Tensor]]
+    ) -> TrainBatch:
+        """GRPO: per group, a (leave-one-out) baseline and optional std normalisation."""
+        ordered = []
+        for slot in slots:
+            group_rows = [rows[sid] for sid in slot.sample_ids]
+            rewards = torch.stack([row["reward"].reshape(()) for row in group_rows]).float()
+            advantages = grpo_advantages(
+                rewards,
+                leave_one_out=self.settings.leave_one_out_baseline,
+                normalize=self.settings.normalize_rewards,
+            )
+            versions = {
+                "start_weight": torch.tensor(slot.start_weight),
+                "target_step": torch.tensor(-1 if slot.target_step is None else slot.target_step),
+            }
+            for row, advantage in zip(group_rows, advantages, strict=True):
+                ordered.append({**row, **versions, "advantages": advantage.reshape(())})
+        return collate_rows(ordered, pad_token_id=self.settings.pad_token_id)
+
+    async def _close_step(self, claimed: list[Any]) -> None:
+        group_ids = [slot.group_id for slot in claimed]
+        async with self.barrier.mutation():
+            sample_ids = self.buffer.release_claims(group_ids, consumed=True)
+            await self.data_plane.clear(sample_ids)
+        self.state.consumed_groups += len(group_ids)
+        self.state.consumed_group_ids.extend(group_ids)
+
+    async def _roll_back(self, claimed: list[Any]) -> None:
+        if claimed:
+            self.buffer.release_claims([slot.group_id for slot in claimed], consumed=False)
+            self._notify()
+
+    async def _bump_version_and_sync(self) -> float:
+        # Bump and close permission with no await in between: nothing may be dispatched at the
+        # new version before generation holds the new weights.
+        self.state.trainer_version += 1
+        self.state.step += 1
+        self._rollout_permission.clear()
+        self.waiting_on["train"] = "weight sync"
+        try:
+            seconds = await self.weight_sync.sync(self.trainer_version)
+            await self._abort_stale_inflight()
+            if self.settings.colocated:
+                await self.generation.wake()
+        finally:
+            self._rollout_permission.set()
+            self._notify()
+        return seconds
+
+    async def _abort_stale_inflight(self) -> None:
+        """Windowed sampler: in-flight groups that can never be trained are aborted."""
+        for group_id, task in list(self._inflight.items()):
+            slot = self.buffer.slot(group_id)
+            if self.sampler.should_abort_inflight(
+                start_weight=slot.start_weight, current_train_weight=self.trainer_version
+            ):
+                self._abort_requested.add(group_id)
+                task.cancel()
+
+    async def _finish_step_bookkeeping(
+        self, train_metrics: dict[str, float], sync_seconds: float
+    ) -> None:
+        extra = {f"train/{k}": float(v) for k, v in train_metrics.items()}
+        extra.update(
+            {
+                "buffer_ready": float(self.buffer.num_ready),
+                "buffer_reserved": float(self.buffer.num_reserved),
+                "inflight": float(len(self._inflight)),
+                "consumed_groups": float(self.state.consumed_groups),
+            }
+        )
+        row = self._acc.close_step(
+            step=self.state.step,
+            trainer_version=self.trainer_version,
+            weight_sync_s=sync_seconds,
+            extra=extra,
+        )
+        self._acc = StepAccumulator()
+        self.history.append(row)
+        self.last_progress_at = time.monotonic()
+        for hook in self.step_hooks:
+            await hook(self, row)
+
+    # ------------------------------------------------------------------ coordination
+
+    def _no_more_groups_can_arrive(self) -> bool:
+        return self._rollout_done and not self._inflight and self.buffer.num_reserved == 0
+
+    def _notify(self) -> None:
+        """Wake everything waiting on a state change (commit, drop, claim, version bump)."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+        self.sampler.notify()
+
+    async def _wait_change(self) -> None:
+        await self._changed.wait()

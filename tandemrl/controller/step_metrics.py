@@ -1,0 +1,65 @@
+"""Per-step accounting for the pumps: what was trained, how stale, and how long each pump idled.
+
+The pumps report events (``rollout_blocked``, ``train_waiting``, groups trained, evictions);
+``close_step`` turns the interval since the previous step into the metrics row the logger
+writes (see DESIGN §1 for the required fields).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TrainedGroup:
+    group_id: str
+    start_weight: int
+    end_weight: int | None
+    target_step: int | None
+    staleness: int
+    rewards: list[float]
+    completion_tokens: int
+
+
+@dataclass
+class StepAccumulator:
+    started_at: float = field(default_factory=time.monotonic)
+    rollout_blocked_s: float = 0.0
+    train_waiting_s: float = 0.0
+    evicted_groups: int = 0
+    aborted_groups: int = 0
+    dropped_prompts: int = 0
+    groups: list[TrainedGroup] = field(default_factory=list)
+
+    def close_step(
+        self,
+        *,
+        step: int,
+        trainer_version: int,
+        weight_sync_s: float,
+        extra: dict[str, float],
+    ) -> dict[str, float]:
+        now = time.monotonic()
+        step_time = max(now - self.started_at, 1e-9)
+        rewards = [r for g in self.groups for r in g.rewards]
+        staleness = [g.staleness for g in self.groups]
+        tokens = sum(g.completion_tokens for g in self.groups)
+        row = {
+            "step": step,
+            "trainer_version": trainer_version,
+            "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
+            "staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
+            "staleness_max": max(staleness) if staleness else 0,
+            "groups_trained": len(self.groups),
+            "tokens_per_s": tokens / step_time,
+            "step_time_s": step_time,
+            "weight_sync_s": weight_sync_s,
+            "train_idle_frac": min(self.train_waiting_s / step_time, 1.0),
+            "rollout_idle_frac": min(self.rollout_blocked_s / step_time, 1.0),
+            "evicted_groups": self.evicted_groups,
+            "aborted_groups": self.aborted_groups,
+            "dropped_prompts": self.dropped_prompts,
+        }
+        row.update(extra)
+        return row

@@ -1,0 +1,188 @@
+"""A generation backend for tests and benchmarks: controllable latency, deterministic tokens.
+
+Latency is drawn per request from a seeded model (``fixed``, ``uniform`` or ``lognormal``
+long tail). Tokens are a deterministic function of the prompt, the seed and the request id, so
+two runs with the same seed generate the same text. It honours the colocated stand-down:
+while asleep no request advances, and the time spent asleep is reported by ``frozen_time``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+import random
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from tandemrl.generation.base import GenerationBackend, GenerationError
+from tandemrl.records import GenerationRequest, GenerationResult
+
+
+@dataclass(frozen=True)
+class LatencyModel:
+    """Per-request latency in seconds.
+
+    fixed: always ``seconds``; uniform: in [low, high]; lognormal: median ``seconds`` and
+    log-space spread ``sigma`` (sigma 1.0 puts the 99th percentile about 10x the median).
+    """
+
+    kind: Literal["fixed", "uniform", "lognormal"] = "fixed"
+    seconds: float = 0.0
+    low: float = 0.0
+    high: float = 0.0
+    sigma: float = 1.0
+
+    @classmethod
+    def from_config(cls, spec: dict[str, Any] | None) -> LatencyModel:
+        return cls(**spec) if spec else cls()
+
+    def sample(self, rng: random.Random) -> float:
+        if self.kind == "fixed":
+            return self.seconds
+        if self.kind == "uniform":
+            return rng.uniform(self.low, self.high)
+        return self.seconds * math.exp(rng.gauss(0.0, self.sigma))
+
+
+class FakeGenerationBackend(GenerationBackend):
+    def __init__(
+        self,
+        *,
+        latency: LatencyModel | None = None,
+        seed: int = 0,
+        vocab_size: int = 16,
+        completion_tokens: int = 4,
+        fail_request_ids: set[str] | None = None,
+        max_concurrency: int | None = None,
+    ) -> None:
+        self.latency = latency or LatencyModel()
+        self.seed = seed
+        self.vocab_size = vocab_size
+        self.completion_tokens = completion_tokens
+        self._rng = random.Random(seed)
+        self._version = 0
+        self._awake = asyncio.Event()
+        self._awake.set()
+        self._asleep = asyncio.Event()
+        self._asleep_since: float | None = None
+        self._frozen_total = 0.0
+        self._aborted: set[str] = set()
+        self.dead = False
+        # Requests whose id starts with one of these prefixes raise GenerationError (tests).
+        self.fail_request_ids = fail_request_ids or set()
+        # None: unlimited parallelism; n: at most n requests decode at once (a throughput-bound
+        # engine: a step of R requests of latency L takes about R * L / n seconds).
+        self._slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        self.requests_served = 0
+        self.weight_updates: list[int] = []
+
+    def _tokens_for(self, request: GenerationRequest) -> list[int]:
+        digest = hashlib.blake2b(
+            f"{self.seed}|{request.request_id}|{request.prompt_token_ids}".encode(), digest_size=16
+        ).digest()
+        n = min(request.max_new_tokens, self.completion_tokens)
+        return [digest[i] % self.vocab_size for i in range(n)]
+
+    async def _wait_latency(self, seconds: float) -> None:
+        # The request's clock advances only while awake, so a stand-down freezes it.
+        remaining = seconds
+        while remaining > 0:
+            await self._awake.wait()
+            started = time.monotonic()
+            try:
+                await asyncio.wait_for(self._asleep.wait(), timeout=remaining)
+            except TimeoutError:
+                return
+            remaining -= time.monotonic() - started
+
+    async def _one(self, request: GenerationRequest) -> GenerationResult:
+        if self.dead:
+            raise GenerationError("fake generation worker is dead")
+        if any(request.request_id.startswith(p) for p in self.fail_request_ids):
+            raise GenerationError(f"injected failure for {request.request_id}")
+        start_version = self._version
+        latency = self.latency.sample(self._rng)
+        if latency > 0:
+            await self._wait_latency(latency)
+        elif not self._awake.is_set():
+            await self._awake.wait()
+        if self.dead:
+            raise GenerationError("fake generation worker died mid-request")
+        if request.request_id in self._aborted:
+            return GenerationResult(
+                request.request_id,
+                list(request.prompt_token_ids),
+                [],
+                [],
+                "aborted",
+                [],
+                start_version,
+            )
+        tokens = self._tokens_for(request)
+        self.requests_served += 1
+        finish = "length" if len(tokens) >= request.max_new_tokens else "stop"
+        return GenerationResult(
+            request_id=request.request_id,
+            prompt_token_ids=list(request.prompt_token_ids),
+            token_ids=tokens,
+            logprobs=[-1.0] * len(tokens),
+            finish_reason=finish,
+            token_weight_versions=[self._version] * len(tokens),
+            start_weight_version=start_version,
+        )
+
+    async def _one_limited(self, request: GenerationRequest) -> GenerationResult:
+        if self._slots is None:
+            return await self._one(request)
+        async with self._slots:
+            return await self._one(request)
+
+    async def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        if self._slots is not None:
+            return list(await asyncio.gather(*(self._one_limited(r) for r in requests)))
+        if len(requests) == 1:
+            return [await self._one(requests[0])]
+        return list(await asyncio.gather(*(self._one(r) for r in requests)))
+
+    async def update_weights(self, version: int, weights: Any) -> None:
+        self._version = version
+        self.weight_updates.append(version)
+
+    async def weight_version(self) -> int:
+        return self._version
+
+    async def abort(self, request_ids: list[str]) -> None:
+        self._aborted.update(request_ids)
+
+    async def sleep(self) -> None:
+        if self._awake.is_set():
+            self._awake.clear()
+            self._asleep.set()
+            self._asleep_since = time.monotonic()
+
+    async def wake(self) -> None:
+        if not self._awake.is_set():
+            assert self._asleep_since is not None
+            self._frozen_total += time.monotonic() - self._asleep_since
+            self._asleep_since = None
+            self._asleep.clear()
+            self._awake.set()
+
+    async def frozen_time(self) -> float:
+        """Seconds spent asleep so far (deadline clocks exclude them)."""
+        extra = time.monotonic() - self._asleep_since if self._asleep_since is not None else 0.0
+        return self._frozen_total + extra
+
+
+def fake_codec(vocab_size: int = 16):
+    """A text codec matching the fake engine: characters map to ids, ids decode to digits."""
+    from tandemrl.rollout.manager import TextCodec
+
+    return TextCodec(
+        encode=lambda text: [ord(ch) % vocab_size for ch in text],
+        decode=lambda ids: "".join(str(i % 10) for i in ids),
+        eos_token_id=None,
+        pad_token_id=0,
+    )

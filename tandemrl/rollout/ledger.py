@@ -1,0 +1,155 @@
+"""The ownership ledger: every prompt group that was dispatched but has not committed yet.
+
+A group enters the ledger when its buffer slot is reserved and leaves it when it commits (or
+is dropped). Together with the dataloader position, the replay buffer and the consumed count,
+it accounts for every prompt exactly once: drawn → in the ledger → in the buffer → trained.
+
+For each group the ledger stores the recovery granularity resolved when the group opened
+(``agent_granularity_overrides[agent_ref]`` wins over
+``task_source_granularity_overrides[task_source]``, which wins over ``default_granularity``),
+so a restart with a changed config never reinterprets an existing group. With token capture
+on, finished siblings are staged here with their tokens: ``sibling`` recovery reuses them and
+regenerates only unfinished siblings, ``prompt_group`` discards them and regenerates all.
+A sibling becomes a training row only when its whole group has finished.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandemrl.config.models import Granularity, RolloutRecoveryConfig
+from tandemrl.records import EnvResult, GenerationResult, PromptItem
+
+
+@dataclass
+class StagedSibling:
+    result: GenerationResult
+    env_result: EnvResult
+
+
+@dataclass
+class UnfinishedGroup:
+    item: PromptItem
+    group_id: str
+    target_step: int | None
+    start_weight: int
+    granularity: Granularity
+    staged: dict[int, StagedSibling] = field(default_factory=dict)
+    # True once the group was carried over a restart (for metrics and tests).
+    recovered: bool = False
+
+    def discard_staged(self) -> None:
+        self.staged.clear()
+
+
+def resolve_granularity(item: PromptItem, cfg: RolloutRecoveryConfig) -> Granularity:
+    if item.agent_ref is not None and item.agent_ref in cfg.agent_granularity_overrides:
+        return cfg.agent_granularity_overrides[item.agent_ref]
+    if item.task_source is not None and item.task_source in cfg.task_source_granularity_overrides:
+        return cfg.task_source_granularity_overrides[item.task_source]
+    return cfg.default_granularity
+
+
+class OwnershipLedger:
+    def __init__(self, cfg: RolloutRecoveryConfig, *, token_capture: bool) -> None:
+        self.cfg = cfg
+        self.token_capture = token_capture
+        self._groups: dict[str, UnfinishedGroup] = {}
+
+    def open(
+        self, item: PromptItem, *, group_id: str, target_step: int | None, start_weight: int
+    ) -> UnfinishedGroup:
+        if group_id in self._groups:
+            raise KeyError(f"prompt group {group_id} is already in the ownership ledger")
+        group = UnfinishedGroup(
+            item=item,
+            group_id=group_id,
+            target_step=target_step,
+            start_weight=start_weight,
+            granularity=resolve_granularity(item, self.cfg),
+        )
+        self._groups[group_id] = group
+        return group
+
+    def adopt(self, group: UnfinishedGroup) -> None:
+        """Re-register a group restored from a checkpoint (its policy is kept as stored)."""
+        if group.group_id in self._groups:
+            raise KeyError(f"prompt group {group.group_id} is already in the ownership ledger")
+        self._groups[group.group_id] = group
+
+    def get(self, group_id: str) -> UnfinishedGroup:
+        return self._groups[group_id]
+
+    def close(self, group_id: str) -> None:
+        self._groups.pop(group_id, None)
+
+    def __contains__(self, group_id: str) -> bool:
+        return group_id in self._groups
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def unfinished(self) -> list[UnfinishedGroup]:
+        return list(self._groups.values())
+
+    # ------------------------------------------------------------------ persistence
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able state; staged siblings are kept only with token capture on."""
+        groups = []
+        for group in self._groups.values():
+            staged = {}
+            if self.token_capture:
+                staged = {
+                    str(index): {
+                        "result": dataclasses.asdict(sibling.result),
+                        "env_result": dataclasses.asdict(sibling.env_result),
+                    }
+                    for index, sibling in group.staged.items()
+                }
+            groups.append(
+                {
+                    "item": dataclasses.asdict(group.item),
+                    "group_id": group.group_id,
+                    "target_step": group.target_step,
+                    "start_weight": group.start_weight,
+                    "granularity": group.granularity,
+                    "staged": staged,
+                }
+            )
+        return {"token_capture": self.token_capture, "groups": groups}
+
+    @staticmethod
+    def groups_from_state(state: dict[str, Any]) -> list[UnfinishedGroup]:
+        """Parse a saved ledger; raises ValueError naming the broken field."""
+        groups: list[UnfinishedGroup] = []
+        try:
+            for raw in state["groups"]:
+                granularity = raw["granularity"]
+                if granularity not in ("sibling", "prompt_group"):
+                    raise ValueError(f"granularity {granularity!r} of group {raw['group_id']}")
+                staged = {
+                    int(index): StagedSibling(
+                        result=GenerationResult(**value["result"]),
+                        env_result=EnvResult(**value["env_result"]),
+                    )
+                    for index, value in raw["staged"].items()
+                }
+                groups.append(
+                    UnfinishedGroup(
+                        item=PromptItem(**raw["item"]),
+                        group_id=str(raw["group_id"]),
+                        target_step=raw["target_step"],
+                        start_weight=int(raw["start_weight"]),
+                        granularity=granularity,
+                        staged=staged,
+                        recovered=True,
+                    )
+                )
+        except (KeyError, TypeError) as exc:
+            raise ValueError(
+                f"malformed ownership ledger entry: missing or bad field {exc}"
+            ) from exc
+        return groups

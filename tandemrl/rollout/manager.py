@@ -1,0 +1,303 @@
+"""RolloutManager: one prompt group from dispatch to a committed, training-ready buffer slot.
+
+``reserve`` appends the group's slot (stamped with ``start_weight`` and the sampler's
+``target_step``) and opens it in the ownership ledger; ``generate_and_push`` then drives the
+rollout:
+
+1. generate every unfinished sibling (one generation call for the group's pending siblings);
+2. score each completion with the environment; finished siblings are staged in the ledger
+   (token capture), so ``sibling`` recovery never regenerates them;
+3. retry failures by class (infrastructure with capped backoff, data without), at the
+   group's recovery granularity: ``sibling`` regenerates only the failed siblings,
+   ``prompt_group`` regenerates all of them;
+4. once every sibling finished, write the group's rows to the data plane, then commit the
+   slot with the observed ``end_weight`` — both under the checkpoint barrier, so a snapshot
+   never sees rows without their index entry or the reverse.
+
+A group whose retries run out is dropped: its slot and any rows are removed, the ledger
+forgets it and the drop budgets are charged (``RolloutDropped`` is raised to the pump, which
+decides between shrink and replace).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tandemrl.config.models import RolloutFailureConfig
+from tandemrl.controller.barrier import CheckpointBarrier
+from tandemrl.dataplane.base import DataPlane
+from tandemrl.envs.base import Environment
+from tandemrl.records import GenerationRequest, GenerationResult, PromptItem, RowMeta
+from tandemrl.rollout.failures import (
+    DataFailure,
+    FailureBudgets,
+    FailureKind,
+    FailureRecord,
+    RolloutDropped,
+    backoff_delay,
+    classify,
+)
+from tandemrl.rollout.generation_pool import GenerationPool, NoGenerationWorkers
+from tandemrl.rollout.ledger import OwnershipLedger, StagedSibling, UnfinishedGroup
+from tandemrl.training.batch import make_training_row
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TextCodec:
+    """How the rollout turns prompt text into token ids and completions back into text."""
+
+    encode: Callable[[str], list[int]]
+    decode: Callable[[list[int]], str]
+    eos_token_id: int | None
+    pad_token_id: int
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+
+
+class GroupAborted(Exception):
+    """The group's in-flight generation was aborted as stale (windowed sampler)."""
+
+
+class RolloutManager:
+    def __init__(
+        self,
+        *,
+        buffer,  # tandemrl.buffer.ReplayBuffer
+        data_plane: DataPlane,
+        generation: GenerationPool,
+        env: Environment,
+        codec: TextCodec,
+        sampling: SamplingParams,
+        group_size: int,
+        failure_cfg: RolloutFailureConfig,
+        ledger: OwnershipLedger,
+        budgets: FailureBudgets,
+        barrier: CheckpointBarrier,
+        overlong_filtering: bool = False,
+        seed: int = 0,
+        on_change: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.buffer = buffer
+        self.data_plane = data_plane
+        self.generation = generation
+        self.env = env
+        self.codec = codec
+        self.sampling = sampling
+        self.group_size = group_size
+        self.failure_cfg = failure_cfg
+        self.ledger = ledger
+        self.budgets = budgets
+        self.barrier = barrier
+        self.overlong_filtering = overlong_filtering
+        self.seed = seed
+        self.on_change = on_change
+        self.generated_siblings = 0  # completions produced by the engines (metrics, chaos proofs)
+        self.reused_siblings = 0  # staged completions reused after a failure or restart
+
+    # ------------------------------------------------------------------ dispatch
+
+    def reserve(
+        self, item: PromptItem, *, start_weight: int, target_step: int | None
+    ) -> UnfinishedGroup:
+        """Append the group's buffer slot and open it in the ledger (synchronous, no await)."""
+        group_id = item.prompt_id
+        self.buffer.reserve(group_id, start_weight=start_weight, target_step=target_step)
+        return self.ledger.open(
+            item, group_id=group_id, target_step=target_step, start_weight=start_weight
+        )
+
+    def reserve_recovered(self, group: UnfinishedGroup, *, current_weight: int) -> UnfinishedGroup:
+        """Re-reserve a group restored from the ownership ledger after a restart.
+
+        Its target step is kept; its start weight is the oldest weight any of its surviving
+        siblings saw, or the current weight when nothing survived.
+        """
+        if not group.staged:
+            group.start_weight = current_weight
+        self.buffer.reserve(
+            group.group_id, start_weight=group.start_weight, target_step=group.target_step
+        )
+        self.ledger.adopt(group)
+        return group
+
+    async def generate_and_push(self, group: UnfinishedGroup) -> None:
+        """Drive ``group`` to a committed slot; raise RolloutDropped when it is dropped."""
+        try:
+            await self._generate_all_siblings(group)
+            await self._push_and_commit(group)
+        except RolloutDropped as dropped:
+            await self._drop(group)
+            self.budgets.record_drop(dropped.record)
+            raise
+        except GroupAborted:
+            await self._drop(group)
+            raise
+        self.budgets.record_commit()
+        self.on_change()
+
+    # ------------------------------------------------------------------ generation
+
+    def _request(
+        self, group: UnfinishedGroup, sibling: int, attempt: int, prompt_ids: list[int]
+    ) -> GenerationRequest:
+        return GenerationRequest(
+            request_id=f"{group.group_id}/{sibling}/a{attempt}",
+            prompt_token_ids=prompt_ids,
+            max_new_tokens=self.sampling.max_new_tokens,
+            temperature=self.sampling.temperature,
+            top_p=self.sampling.top_p,
+            stop_token_ids=self.sampling.stop_token_ids,
+            seed=zlib.crc32(f"{self.seed}|{group.group_id}|{sibling}|{attempt}".encode())
+            & 0x7FFFFFFF,
+        )
+
+    async def _generate_all_siblings(self, group: UnfinishedGroup) -> None:
+        prompt_ids = self.codec.encode(group.item.prompt)
+        infra_retries = 0
+        data_retries: dict[int, int] = {}
+        attempt = 0
+        self.reused_siblings += len(group.staged)
+        while len(group.staged) < self.group_size:
+            pending = [i for i in range(self.group_size) if i not in group.staged]
+            attempt += 1
+            requests = [self._request(group, i, attempt, prompt_ids) for i in pending]
+            try:
+                results = await self.generation.generate(requests)
+            except NoGenerationWorkers:
+                raise
+            except Exception as exc:
+                if classify(exc) is not FailureKind.INFRA:
+                    raise
+                record = self._record(group, None, infra_retries + 1, FailureKind.INFRA, exc)
+                if infra_retries >= self.failure_cfg.max_infra_retries:
+                    raise RolloutDropped(group.group_id, record) from exc
+                await asyncio.sleep(backoff_delay(infra_retries, self.failure_cfg))
+                infra_retries += 1
+                if group.granularity == "prompt_group":
+                    group.discard_staged()
+                continue
+            self.generated_siblings += len(results)
+            failed_any = False
+            for sibling, result in zip(pending, results, strict=True):
+                if result.finish_reason == "aborted":
+                    raise GroupAborted(group.group_id)
+                try:
+                    env_result = self._score(group, result)
+                except DataFailure as exc:
+                    retries = data_retries.get(sibling, 0)
+                    record = self._record(group, sibling, retries + 1, FailureKind.DATA, exc)
+                    if retries >= self.failure_cfg.max_data_retries:
+                        raise RolloutDropped(group.group_id, record) from exc
+                    data_retries[sibling] = retries + 1
+                    failed_any = True
+                    continue
+                group.staged[sibling] = StagedSibling(result=result, env_result=env_result)
+            if failed_any and group.granularity == "prompt_group":
+                group.discard_staged()
+
+    def _score(self, group: UnfinishedGroup, result: GenerationResult):
+        completion = list(result.token_ids)
+        if (
+            self.codec.eos_token_id is not None
+            and completion
+            and completion[-1] == self.codec.eos_token_id
+        ):
+            completion = completion[:-1]
+        try:
+            text = self.codec.decode(completion)
+            return self.env.score(group.item, text, truncated=result.finish_reason == "length")
+        except Exception as exc:  # any exception from user reward code is a data failure
+            raise DataFailure(f"{type(exc).__name__}: {exc}") from exc
+
+    def _record(
+        self,
+        group: UnfinishedGroup,
+        sibling: int | None,
+        attempt: int,
+        kind: FailureKind,
+        exc: BaseException,
+    ) -> FailureRecord:
+        record = FailureRecord(
+            prompt_id=group.item.prompt_id,
+            group_id=group.group_id,
+            sibling_index=sibling,
+            attempt=attempt,
+            kind=kind,
+            cause=f"{type(exc).__name__}: {exc}",
+        )
+        self.budgets.record_failure(record)
+        log.warning(
+            "rollout failure (%s) prompt=%s sibling=%s attempt=%d: %s",
+            kind.value,
+            record.prompt_id,
+            sibling,
+            attempt,
+            record.cause,
+        )
+        return record
+
+    # ------------------------------------------------------------------ commit / drop
+
+    def _rows(self, group: UnfinishedGroup):
+        rows = {}
+        metas = []
+        for sibling in range(self.group_size):
+            staged = group.staged[sibling]
+            result, env_result = staged.result, staged.env_result
+            truncated = result.finish_reason == "length"
+            keep = env_result.keep and not (self.overlong_filtering and truncated)
+            sample_id = f"{group.group_id}/{sibling}"
+            rows[sample_id] = make_training_row(
+                result.prompt_token_ids,
+                result.token_ids,
+                result.logprobs,
+                reward=env_result.reward,
+                sample_mask=1.0 if keep else 0.0,
+            )
+            metas.append(
+                RowMeta(
+                    sample_id=sample_id,
+                    group_id=group.group_id,
+                    sibling_index=sibling,
+                    reward=float(env_result.reward),
+                    sample_mask=1.0 if keep else 0.0,
+                    num_prompt_tokens=len(result.prompt_token_ids),
+                    num_completion_tokens=len(result.token_ids),
+                    truncated=truncated,
+                    start_weight_version=result.start_weight_version,
+                    end_weight_version=result.end_weight_version,
+                )
+            )
+        return rows, metas
+
+    async def _push_and_commit(self, group: UnfinishedGroup) -> None:
+        rows, metas = self._rows(group)
+        end_weight = max(meta.end_weight_version for meta in metas)
+        async with self.barrier.mutation():
+            # Rows first, then the slot flips ready: a ready slot always has its rows.
+            await self.data_plane.put(rows)
+            self.buffer.commit(group.group_id, metas, end_weight=end_weight)
+            self.ledger.close(group.group_id)
+
+    async def drop_aborted(self, group: UnfinishedGroup) -> None:
+        """Remove a group whose generation the controller aborted as stale."""
+        await self._drop(group)
+
+    async def _drop(self, group: UnfinishedGroup) -> None:
+        async with self.barrier.mutation():
+            slot = self.buffer.remove(group.group_id)
+            await self.data_plane.clear(slot.sample_ids)
+            self.ledger.close(group.group_id)
+        self.on_change()

@@ -1,0 +1,82 @@
+"""A trainer for tests and benchmarks: records every batch, sleeps a configurable train time.
+
+It implements the ``Trainer`` contract without a model. ``train_seconds_per_step`` is spread
+over the step's chunks in proportion to their sequences, so a streamed step costs the same
+as an unstreamed one. The sleep is ``asyncio.sleep``: in a real run the trainer is another
+process, so the controller's event loop stays free while it trains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tandemrl.training.api import TrainBatch
+
+
+@dataclass
+class RecordedStep:
+    optimizer_step: int
+    chunks: list[TrainBatch] = field(default_factory=list)
+
+    @property
+    def num_sequences(self) -> int:
+        return sum(int(chunk["input_ids"].shape[0]) for chunk in self.chunks)
+
+
+class FakeTrainer:
+    def __init__(self, *, train_seconds_per_step: float = 0.0, record_tensors: bool = True) -> None:
+        self.train_seconds_per_step = train_seconds_per_step
+        self.record_tensors = record_tensors
+        self.steps: list[RecordedStep] = []
+        self.optimizer_steps = 0
+        self._open: RecordedStep | None = None
+        self.weights_version = 0  # bumped per optimizer step; what export_weights hands out
+
+    async def get_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        return batch["generation_logprobs"].clone()
+
+    async def begin_train_step(self) -> None:
+        if self._open is not None:
+            raise RuntimeError("begin_train_step called twice without finish_train_step")
+        self._open = RecordedStep(optimizer_step=self.optimizer_steps)
+
+    async def train_microbatches(
+        self, batch: TrainBatch, *, step_num_sequences: int, step_num_tokens: int | None = None
+    ) -> dict[str, float]:
+        if self._open is None:
+            raise RuntimeError("train_microbatches called outside a train step")
+        num_sequences = int(batch["input_ids"].shape[0])
+        if self.train_seconds_per_step > 0:
+            await asyncio.sleep(self.train_seconds_per_step * num_sequences / step_num_sequences)
+        self._open.chunks.append(
+            batch if self.record_tensors else {"input_ids": batch["input_ids"]}
+        )
+        return {"loss": 0.0}
+
+    async def finish_train_step(self) -> dict[str, float]:
+        if self._open is None:
+            raise RuntimeError("finish_train_step called outside a train step")
+        self.steps.append(self._open)
+        self._open = None
+        self.optimizer_steps += 1
+        self.weights_version += 1
+        return {"grad_norm": 0.0, "lr": 0.0}
+
+    async def export_weights(self) -> Any:
+        return {"fake_weights_version": self.weights_version}
+
+    async def save_checkpoint(self, directory: Path, *, save_optimizer: bool) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        state = {"optimizer_steps": self.optimizer_steps, "weights_version": self.weights_version}
+        (directory / "fake_trainer.json").write_text(json.dumps(state))
+
+    async def load_checkpoint(self, directory: Path, *, load_optimizer: bool) -> None:
+        state = json.loads((directory / "fake_trainer.json").read_text())
+        self.optimizer_steps = state["optimizer_steps"]
+        self.weights_version = state["weights_version"]

@@ -1,0 +1,178 @@
+"""The two pumps driven end to end with fakes: what is trained, how stale, and how runs end."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import pytest
+
+from tandemrl.config.loader import load_config
+from tandemrl.controller.build import ControllerParts, build_controller
+from tandemrl.data.dataloader import PromptDataLoader
+from tandemrl.data.dataset import PromptRecord
+from tandemrl.envs.counting import CountingEnv
+from tandemrl.generation.fake import FakeGenerationBackend, LatencyModel, fake_codec
+from tandemrl.training.fake import FakeTrainer
+
+BASE = "examples/configs/grpo_tiny_cpu.yaml"
+
+
+def make_cfg(*overrides: str):
+    defaults = (
+        "grpo.num_prompts_per_step=4",
+        "grpo.num_generations_per_prompt=2",
+        "policy.train_global_batch_size=8",
+        "policy.train_micro_batch_size=8",
+        "grpo.max_num_steps=6",
+        "logger.progress=false",
+    )
+    return load_config(BASE, (*defaults, *overrides))
+
+
+def run_controller(cfg, *, latency=None, trainer=None, dataloader=None, engines=None):
+    trainer = trainer or FakeTrainer()
+    engines = engines or [FakeGenerationBackend(latency=latency, seed=1)]
+    parts = ControllerParts(
+        trainer=trainer,
+        engines=engines,
+        env=CountingEnv(),
+        codec=fake_codec(),
+        dataloader=dataloader,
+    )
+
+    async def go():
+        controller = build_controller(cfg, parts)
+        history = await asyncio.wait_for(controller.run(), timeout=60)
+        return controller, history
+
+    controller, history = asyncio.run(go())
+    return controller, history, trainer, engines
+
+
+def trained_group_ids(controller) -> list[str]:
+    return [group.group_id for _, group in controller.trained_groups]
+
+
+def test_sync_in_order_trains_fresh_full_steps():
+    cfg = make_cfg(
+        "async_rl.sampler.max_lookahead_versions=0",
+        "loss_fn.use_importance_sampling_correction=false",
+        "async_rl.max_buffered_rollouts=4",
+        "async_rl.max_inflight_prompts=4",
+        "async_rl.min_groups_for_streaming_train=4",
+    )
+    controller, history, trainer, engines = run_controller(
+        cfg, latency=LatencyModel("uniform", low=0.0, high=0.01)
+    )
+    assert len(history) == 6
+    assert trainer.optimizer_steps == 6
+    assert all(row["groups_trained"] == 4 for row in history)
+    assert all(row["staleness_max"] == 0 for row in history)
+    # the engine saw every new version
+    assert engines[0].weight_updates == [1, 2, 3, 4, 5, 6]
+    assert controller.state.consumed_groups == 24
+
+
+@pytest.mark.parametrize(
+    ("sampler", "knob", "allowed"),
+    [
+        ("in_order", "max_lookahead_versions=2", 2),
+        ("weight_fifo", "max_staleness_versions=1", 1),
+        ("ready_first", "max_staleness_versions=2", 2),
+        ("windowed", "max_staleness_versions=1", 1),
+    ],
+)
+def test_async_samplers_respect_staleness_and_train_each_group_once(sampler, knob, allowed):
+    cfg = make_cfg(
+        f"async_rl.sampler={{name: {sampler}, {knob.replace('=', ': ')}}}",
+        "loss_fn.use_importance_sampling_correction=true",
+        "async_rl.max_buffered_rollouts=16",
+        "async_rl.max_inflight_prompts=12",
+        "async_rl.min_groups_for_streaming_train=2",
+        "grpo.max_num_steps=8",
+    )
+    trainer = FakeTrainer(train_seconds_per_step=0.01)
+    controller, history, trainer, _ = run_controller(
+        cfg, latency=LatencyModel("lognormal", seconds=0.004, sigma=1.0), trainer=trainer
+    )
+    assert len(history) == 8
+    assert all(row["staleness_max"] <= allowed for row in history)
+    ids = trained_group_ids(controller)
+    assert len(ids) == len(set(ids)) == 8 * 4
+    assert all(step.num_sequences == 8 for step in trainer.steps)
+
+
+def test_streaming_chunks_make_one_optimizer_step():
+    cfg = make_cfg("async_rl.min_groups_for_streaming_train=1", "grpo.max_num_steps=3")
+    trainer = FakeTrainer()
+    _, _, trainer, _ = run_controller(
+        cfg, latency=LatencyModel("uniform", low=0.0, high=0.02), trainer=trainer
+    )
+    assert trainer.optimizer_steps == 3
+    assert all(step.num_sequences == 8 for step in trainer.steps)
+    assert any(len(step.chunks) > 1 for step in trainer.steps)
+
+
+def test_data_exhaustion_trains_last_complete_step_and_ends():
+    records = [PromptRecord(prompt=f"{i:03d}=", answer="123") for i in range(10)]
+    loader = PromptDataLoader(records, max_num_epochs=1, seed=0)
+    cfg = make_cfg("grpo.max_num_steps=100")
+    _, history, trainer, _ = run_controller(cfg, dataloader=loader)
+    assert len(history) == 2  # 10 prompts, 4 per step: two complete steps, the rest untrained
+    assert trainer.optimizer_steps == 2
+
+
+def test_pump_crash_reaches_caller_with_original_exception():
+    class Boom(RuntimeError):
+        pass
+
+    class CrashingTrainer(FakeTrainer):
+        async def train_microbatches(self, batch, **kwargs):
+            if self.optimizer_steps == 1:
+                raise Boom("trainer exploded")
+            return await super().train_microbatches(batch, **kwargs)
+
+    cfg = make_cfg()
+    with pytest.raises(Boom, match="trainer exploded"):
+        run_controller(cfg, trainer=CrashingTrainer())
+
+
+def test_colocated_engine_stands_down_for_each_train_step():
+    events: list[str] = []
+
+    class RecordingEngine(FakeGenerationBackend):
+        async def sleep(self):
+            events.append("sleep")
+            await super().sleep()
+
+        async def wake(self):
+            events.append("wake")
+            await super().wake()
+
+    class RecordingTrainer(FakeTrainer):
+        async def begin_train_step(self):
+            events.append("train")
+            await super().begin_train_step()
+
+    cfg = make_cfg(
+        "policy.generation.colocated.enabled=true",
+        "async_rl.min_groups_for_streaming_train=4",
+        "grpo.max_num_steps=3",
+    )
+    run_controller(cfg, trainer=RecordingTrainer(), engines=[RecordingEngine(seed=0)])
+    assert events == ["sleep", "train", "wake"] * 3
+
+
+def test_every_row_records_the_versions_that_produced_it():
+    cfg = make_cfg("async_rl.sampler.max_lookahead_versions=1", "grpo.max_num_steps=5")
+    trainer = FakeTrainer()
+    controller, _, _, _ = run_controller(
+        cfg, latency=LatencyModel("uniform", low=0.0, high=0.01), trainer=trainer
+    )
+    for step_index, step in enumerate(trainer.steps):
+        for chunk in step.chunks:
+            staleness = step_index - chunk["start_weight"]
+            assert ((staleness >= 0) & (staleness <= 1)).all()
+    counts = Counter(trained_group_ids(controller))
+    assert max(counts.values()) == 1
