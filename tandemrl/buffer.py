@@ -179,11 +179,6 @@ class ReplayBuffer:
         if slot.ready:
             raise ReplayBufferError(f"commit: group {group_id!r} is already committed")
         _check_rows(group_id, rows_meta, self.group_size, "commit")
-        if end_weight < slot.start_weight:
-            raise ReplayBufferError(
-                f"commit: group {group_id!r} end_weight {end_weight} is older than its "
-                f"start_weight {slot.start_weight}"
-            )
         slot.rows_meta = list(rows_meta)
         slot.end_weight = end_weight
         slot.ready = True

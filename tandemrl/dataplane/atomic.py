@@ -70,7 +70,12 @@ def publish_directory(tmp_dir: Path, target: Path) -> None:
     if target.exists():
         aside = _sibling(target, _OLD_MARK)
         os.replace(target, aside)
-    os.replace(tmp_dir, target)
+    try:
+        os.replace(tmp_dir, target)
+    except BaseException:
+        if aside is not None:
+            os.replace(aside, target)  # put the previous snapshot back
+        raise
     fsync_dir(parent)
     if aside is not None:
         shutil.rmtree(aside)

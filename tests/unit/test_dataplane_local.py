@@ -176,6 +176,25 @@ def test_interrupted_save_is_not_published(tmp_path: Path, monkeypatch) -> None:
         run(LocalDataPlane().load(tmp_path / "dp"))
 
 
+def test_failed_replacement_keeps_previous_snapshot(tmp_path: Path, monkeypatch) -> None:
+    plane = filled_plane(2)
+    run(plane.save(tmp_path / "dp"))
+    run(plane.put({"newer": make_row(9)}))
+    real_replace = os.replace
+
+    def crash_on_publish(src, dst):
+        if Path(dst).name == "dp" and atomic._TMP_MARK in Path(src).name:
+            raise OSError("simulated crash while publishing")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(atomic.os, "replace", crash_on_publish)
+    with pytest.raises(OSError, match="simulated crash"):
+        run(plane.save(tmp_path / "dp"))
+    monkeypatch.setattr(atomic.os, "replace", real_replace)
+    assert sorted(run(LocalDataPlane().load(tmp_path / "dp"))) == ["g0-s0", "g0-s1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dp"]
+
+
 def test_leftover_tmp_dir_is_refused_and_swept(tmp_path: Path) -> None:
     """A SIGKILL mid-save leaves a complete-looking tmp sibling; it must never be loaded."""
     plane = filled_plane(2)
