@@ -106,9 +106,21 @@ class PromptGroupSampler(ABC):
         """A group left the buffer without being trained (failed or dropped rollout).
 
         Records a replacement credit: the pump may dispatch one replacement for it through
-        ``admit_replacement``. Eviction (windowed) is not reported here.
+        ``admit_replacement``. Under ``on_dropped_prompt: shrink`` the call may be skipped (an
+        unused credit changes nothing; the drop budget bounds how many pile up). Eviction
+        (windowed) is not reported here.
         """
         self.replacement_credits.append(slot.target_step)
+
+    def on_group_promoted(self, *, from_step: int | None, to_step: int | None) -> None:
+        """A ready group of ``from_step`` filled a dropped place of ``to_step``.
+
+        Pair of ``buffer.promote_ready_group``: the dropped group's credit is used up by the
+        promotion, and ``from_step``'s batch is now one group short, so the credit moves there
+        (a later ``admit_replacement(from_step)`` refills it).
+        """
+        self._take_credit(to_step)
+        self.replacement_credits.append(from_step)
 
     def admit_replacement(self, target_step: int | None = None) -> int | None:
         """Admit a prompt that takes a dropped group's place; not gated (see module docstring).
@@ -116,6 +128,10 @@ class PromptGroupSampler(ABC):
         ``target_step`` is the dropped group's (None outside in_order). Returns the stamp for
         the replacement: the same target_step.
         """
+        self._take_credit(target_step)
+        return target_step
+
+    def _take_credit(self, target_step: int | None) -> None:
         if target_step not in self.replacement_credits:
             raise SamplerError(
                 f"{self.name} sampler: no dropped group with target_step {target_step!r} awaits "
@@ -123,7 +139,6 @@ class PromptGroupSampler(ABC):
                 "first"
             )
         self.replacement_credits.remove(target_step)
-        return target_step
 
     def readmit(self, target_step: int | None = None) -> int | None:
         """Redispatch a group admitted before a restart (its admission is already counted)."""

@@ -262,6 +262,21 @@ def test_promoted_group_fills_a_dropped_place_for_in_order() -> None:
     assert ids(groups) == ["s2a", "s3a"]
 
 
+def test_promotion_moves_the_replacement_credit_to_the_later_step() -> None:
+    buffer = new_buffer()
+    sampler = InOrderSampler(buffer, groups_per_step=2, max_lookahead_versions=1)
+    buffer.reserve("s2b", 1, target_step=2)
+    add(buffer, "s3a", 1, target=3)
+    sampler.on_group_removed(buffer.remove("s2b"))
+    buffer.promote_ready_group("s3a", 2)
+    sampler.on_group_promoted(from_step=3, to_step=2)
+    with pytest.raises(SamplerError, match="target_step 2"):
+        sampler.admit_replacement(2)
+    assert sampler.admit_replacement(3) == 3
+    with pytest.raises(SamplerError, match="target_step 3"):
+        sampler.on_group_promoted(from_step=4, to_step=3)
+
+
 def test_ready_first_trains_late_stragglers_that_weight_fifo_and_windowed_do_not() -> None:
     def straggler_buffer() -> ReplayBuffer:
         buffer = new_buffer()
