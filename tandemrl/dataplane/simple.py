@@ -104,11 +104,16 @@ def _import_transfer_queue() -> Any:
     os.environ.setdefault("TQ_CLIENT_ZMQ_IO_THREADS", threads)
     try:
         import transfer_queue
+        import transfer_queue.client
     except ImportError as exc:
         raise DataPlaneError(
             "simple data plane: data_plane.backend 'simple' needs TransferQueue; install it with "
             "`pip install -e .[tq]` (transferqueue==0.1.11), or use data_plane.backend: local"
         ) from exc
+    # The client reads TQ_NUM_THREADS once, at import; when something imported TransferQueue
+    # before us, the default (8) stuck, and every put/get on a machine with fewer cores logs a
+    # warning while clamping it. Set the value the environment variable would have set.
+    transfer_queue.client.TQ_NUM_THREADS = int(os.environ["TQ_NUM_THREADS"])
     return transfer_queue
 
 

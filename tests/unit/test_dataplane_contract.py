@@ -8,6 +8,7 @@ backend's row encoding without Ray.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import re
 from collections.abc import Iterator
@@ -28,7 +29,8 @@ def run(coro):
 
 @pytest.fixture(scope="module")
 def simple_plane(request) -> Iterator[DataPlane]:
-    pytest.importorskip("transfer_queue")
+    if importlib.util.find_spec("transfer_queue") is None:
+        pytest.skip("TransferQueue is not installed (pip install -e .[tq])")
     request.getfixturevalue("ray_session")
     from tandemrl.dataplane.simple import SimpleDataPlane
 
