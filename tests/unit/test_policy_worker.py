@@ -47,7 +47,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def make_worker(model_dir: Path, **policy_overrides) -> PolicyWorker:
     loss_cfg = policy_overrides.pop("loss_cfg", None) or LossConfig(entropy_coef=0.005)
     policy_overrides.setdefault("train_micro_batch_size", 3)
-    cfg = PolicyConfig(model_name=str(model_dir), device="cpu", **policy_overrides)
+    policy_overrides.setdefault("device", "cpu")
+    cfg = PolicyConfig(model_name=str(model_dir), **policy_overrides)
     return PolicyWorker(cfg, loss_cfg, seed=0)
 
 
@@ -298,3 +299,46 @@ def test_offload_transitions_and_warmup_lr(model_dir: Path) -> None:
     lr = worker.cfg.optimizer.lr
     assert lrs == pytest.approx([lr / 4, lr / 2])
     assert worker.state()["optimizer_transitions"] == ["offload", "reload", "offload", "reload"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_bf16_fused_offload_and_checkpoint(model_dir: Path, tmp_path: Path) -> None:
+    worker = make_worker(model_dir, device="cuda", offload_optimizer_for_logprob=True)
+    assert worker.autocast_dtype == torch.bfloat16
+    assert worker.optimizer.defaults["fused"]
+    batch = make_batch(num=6, seed=4)
+
+    def state_devices() -> set[str]:
+        return {
+            value.device.type
+            for state in worker.optimizer.state.values()
+            for key, value in state.items()
+            if key != "step"
+        }
+
+    async def step() -> dict[str, float]:
+        batch["prev_logprobs"] = await worker.get_logprobs(batch)
+        await worker.begin_train_step()
+        await worker.train_microbatches(batch, step_num_sequences=6)
+        if worker.optimizer.state:
+            assert state_devices() == {"cpu"}
+        metrics = await worker.finish_train_step()
+        assert state_devices() == {"cuda"}
+        return metrics
+
+    for _ in range(3):
+        metrics = asyncio.run(step())
+    assert worker.optimizer_steps == 3 and metrics["grad_norm"] > 0
+    assert worker.state()["optimizer_transitions"] == ["offload", "reload"] * 3
+    assert all(p.dtype == torch.float32 for p in worker.model.parameters())
+    logprobs = asyncio.run(worker.get_logprobs(batch))
+    assert logprobs.device.type == "cpu" and torch.isfinite(logprobs).all()
+
+    asyncio.run(worker.save_checkpoint(tmp_path / "policy", save_optimizer=True))
+    restored = make_worker(model_dir, device="cuda")
+    asyncio.run(restored.load_checkpoint(tmp_path / "policy", load_optimizer=True))
+    torch.testing.assert_close(asyncio.run(restored.get_logprobs(batch)), logprobs)
+    restored_state = restored.optimizer.state[next(iter(restored.model.parameters()))]
+    assert restored_state["exp_avg"].device.type == "cuda"
+    weights = asyncio.run(worker.export_weights())
+    assert all(t.device.type == "cpu" for t in weights.values())

@@ -177,3 +177,24 @@ def test_checkpoint_round_trip_and_warm_start(model_dir: Path, tmp_path: Path) -
     (broken / "value_head.safetensors").unlink()
     with pytest.raises(CheckpointError, match=r"value_head\.safetensors"):
         asyncio.run(warm.load_checkpoint(broken, load_optimizer=False))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_value_worker_on_cuda(model_dir: Path) -> None:
+    worker = ValueWorker(
+        ValueConfig(train_micro_batch_size=3),
+        ValueLossConfig(),
+        model_path=model_dir,
+        device="cuda",
+    )
+    assert worker.autocast_dtype == torch.bfloat16
+    batch = make_batch(worker)
+    assert batch["values"].device.type == "cpu"
+
+    async def run() -> dict[str, float]:
+        await worker.begin_train_step()
+        await worker.train_microbatches(batch, step_num_sequences=6)
+        return await worker.finish_train_step()
+
+    metrics = asyncio.run(run())
+    assert metrics["optimizer_steps"] == 1.0 and metrics["grad_norm"] > 0
