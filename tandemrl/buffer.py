@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import builtins
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from tandemrl.records import RowMeta
@@ -293,7 +293,9 @@ class ReplayBuffer:
         def refuse(message: str) -> ReplayBufferError:
             return ReplayBufferError(f"replay buffer snapshot refused: {message}")
 
-        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+        if not isinstance(state, dict):
+            raise refuse(f"expected a dict, got {type(state).__name__}")
+        if state.get("format") != STATE_FORMAT:
             raise refuse(f"not a replay buffer state (format {state.get('format')!r})")
         if state.get("version") != STATE_VERSION:
             raise refuse(f"version {state.get('version')!r}, expected {STATE_VERSION}")
@@ -318,15 +320,7 @@ class ReplayBuffer:
         seen_indices: set[int] = set()
         for entry in groups:
             try:
-                slot = Slot(
-                    group_id=str(entry["group_id"]),
-                    start_weight=int(entry["start_weight"]),
-                    target_step=None if entry["target_step"] is None else int(entry["target_step"]),
-                    dispatch_index=int(entry["dispatch_index"]),
-                    end_weight=int(entry["end_weight"]),
-                    ready=True,
-                    rows_meta=[RowMeta(**row) for row in entry["rows_meta"]],
-                )
+                slot = _slot_from_state(entry)
             except (KeyError, TypeError, ValueError) as exc:
                 raise refuse(f"malformed group entry {entry!r} ({exc})") from exc
             if slot.group_id in seen_ids:
@@ -341,9 +335,50 @@ class ReplayBuffer:
             seen_indices.add(slot.dispatch_index)
             slots.append(slot)
         next_index = state.get("next_dispatch_index")
-        if not isinstance(next_index, int) or any(index >= next_index for index in seen_indices):
+        if (
+            isinstance(next_index, bool)
+            or not isinstance(next_index, int)
+            or any(index >= next_index for index in seen_indices)
+        ):
             raise refuse(f"next_dispatch_index {next_index!r} is not above every group's index")
         return slots, next_index
+
+
+_ROW_FIELDS = frozenset(row_field.name for row_field in fields(RowMeta))
+
+
+def _int(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int, got {value!r}")
+    return value
+
+
+def _row_from_state(row: Any) -> RowMeta:
+    if not isinstance(row, dict) or set(row) != _ROW_FIELDS:
+        raise ValueError(f"row entry {row!r} does not have exactly the fields of RowMeta")
+    for key in ("sample_id", "group_id"):
+        if not isinstance(row[key], str):
+            raise TypeError(f"row {key} must be a str, got {row[key]!r}")
+    return RowMeta(**row)
+
+
+def _slot_from_state(entry: Any) -> Slot:
+    if not isinstance(entry, dict):
+        raise TypeError(f"group entry must be a dict, got {type(entry).__name__}")
+    if not isinstance(entry["group_id"], str):
+        raise TypeError(f"group_id must be a str, got {entry['group_id']!r}")
+    if not isinstance(entry["rows_meta"], list):
+        raise TypeError("rows_meta must be a list")
+    target_step = entry["target_step"]
+    return Slot(
+        group_id=entry["group_id"],
+        start_weight=_int(entry["start_weight"], "start_weight"),
+        target_step=None if target_step is None else _int(target_step, "target_step"),
+        dispatch_index=_int(entry["dispatch_index"], "dispatch_index"),
+        end_weight=_int(entry["end_weight"], "end_weight"),
+        ready=True,
+        rows_meta=[_row_from_state(row) for row in entry["rows_meta"]],
+    )
 
 
 def _check_rows(group_id: str, rows_meta: list[RowMeta], group_size: int, what: str) -> None:

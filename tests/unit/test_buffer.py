@@ -333,3 +333,54 @@ def test_state_round_trip_preserves_order_and_rows(n_groups, n_claimed) -> None:
     clone.load_state_dict(json.loads(json.dumps(state)))
     assert clone.state_dict() == {**state, "reserved": []}
     assert [s.group_id for s in clone.ready_groups()] == [f"g{i}" for i in range(n_groups)]
+
+
+JSON_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-3, 10)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=3),
+    lambda children: (
+        st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=3), children, max_size=3)
+    ),
+    max_leaves=6,
+)
+
+
+def _paths(value, prefix=()):
+    """Every (container, key) location inside a JSON-like value."""
+    if isinstance(value, dict):
+        for key, child in value.items():
+            yield (*prefix, key)
+            yield from _paths(child, (*prefix, key))
+    elif isinstance(value, list):
+        for index, child in enumerate(value):
+            yield (*prefix, index)
+            yield from _paths(child, (*prefix, index))
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data(), replacement=JSON_VALUES)
+def test_load_state_dict_fuzz_refuses_cleanly_or_loads(data, replacement) -> None:
+    """Any single value of a valid snapshot replaced by arbitrary JSON: the load either succeeds
+    with a consistent buffer or raises BufferError, leaving the buffer untouched."""
+    state = good_state()
+    path = data.draw(st.sampled_from(list(_paths(state))))
+    container = state
+    for key in path[:-1]:
+        container = container[key]
+    container[path[-1]] = replacement
+    buffer = ReplayBuffer(group_size=GROUP_SIZE, capacity=3)
+    committed(buffer, "keep")
+    before = buffer.state_dict()
+    try:
+        buffer.load_state_dict(state)
+    except BufferError:
+        assert buffer.state_dict() == before
+        return
+    for slot in buffer.ready_groups():
+        assert len(slot.rows_meta) == GROUP_SIZE
+        assert all(row.group_id == slot.group_id for row in slot.rows_meta)
+        assert isinstance(slot.start_weight, int) and isinstance(slot.dispatch_index, int)
+    assert len(buffer) <= buffer.capacity
