@@ -233,12 +233,13 @@ class TorchGenerationEngine(GenerationBackend):
 
     @property
     def asleep_seconds(self) -> float:
-        return self.frozen_time()
-
-    def frozen_time(self) -> float:
         """Seconds spent asleep so far (monotonic clock), the current stand-down included."""
         current = time.monotonic() - self._asleep_since if self._asleep_since is not None else 0.0
         return self._asleep_total + current
+
+    async def frozen_time(self) -> float:
+        """``asleep_seconds``: deadline clocks subtract it to count awake time only."""
+        return self.asleep_seconds
 
     async def shutdown(self) -> None:
         """Finish every request as aborted, stop the decode loop, release the thread."""

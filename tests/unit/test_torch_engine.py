@@ -414,15 +414,15 @@ def test_sleep_freezes_decoding_and_wake_resumes(model_path: Path, model: PreTra
         await asyncio.sleep(0.3)
         assert engine.stats.decode_steps == frozen_at
         assert not running.done() and not queued.done()
-        assert engine.frozen_time() >= 0.3
+        assert await engine.frozen_time() >= 0.3
         await engine.wake()
         assert not engine.asleep
         (result,) = await running
         (queued_result,) = await queued
-        stood_down = engine.frozen_time()
+        stood_down = await engine.frozen_time()
         assert 0.3 <= stood_down < 5
         await asyncio.sleep(0.05)
-        assert engine.frozen_time() == stood_down == engine.asleep_seconds  # clock stopped
+        assert await engine.frozen_time() == stood_down == engine.asleep_seconds  # clock stopped
         assert result.token_ids == greedy_reference(model, PROMPTS[1], 40, eos=None)
         assert queued_result.token_ids == greedy_reference(model, PROMPTS[2], 5, eos=None)
 
