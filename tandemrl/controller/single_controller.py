@@ -39,7 +39,7 @@ from tandemrl.rollout.failures import RolloutDropped
 from tandemrl.rollout.generation_pool import GenerationPool
 from tandemrl.rollout.ledger import UnfinishedGroup
 from tandemrl.rollout.manager import GroupAborted, RolloutManager
-from tandemrl.training.advantages import grpo_advantages
+from tandemrl.training.advantages import broadcast_sequence_values, grpo_advantages_grouped
 from tandemrl.training.api import TrainBatch, Trainer
 from tandemrl.training.batch import collate_rows
 
@@ -351,22 +351,23 @@ class SingleController:
         self, slots: list[Any], rows: dict[str, dict[str, torch.Tensor]]
     ) -> TrainBatch:
         """GRPO: per group, a (leave-one-out) baseline and optional std normalisation."""
-        ordered = []
-        for slot in slots:
-            group_rows = [rows[sid] for sid in slot.sample_ids]
-            rewards = torch.stack([row["reward"].reshape(()) for row in group_rows]).float()
-            advantages = grpo_advantages(
-                rewards,
-                leave_one_out=self.settings.leave_one_out_baseline,
-                normalize=self.settings.normalize_rewards,
-            )
-            versions = {
-                "start_weight": torch.tensor(slot.start_weight),
-                "target_step": torch.tensor(-1 if slot.target_step is None else slot.target_step),
-            }
-            for row, advantage in zip(group_rows, advantages, strict=True):
-                ordered.append({**row, **versions, "advantages": advantage.reshape(())})
-        return collate_rows(ordered, pad_token_id=self.settings.pad_token_id)
+        batch = collate_rows(
+            [rows[sid] for slot in slots for sid in slot.sample_ids], self.settings.pad_token_id
+        )
+        group_size = self.settings.group_size
+        advantages = grpo_advantages_grouped(
+            batch["reward"].reshape(len(slots), group_size),
+            leave_one_out=self.settings.leave_one_out_baseline,
+            normalize=self.settings.normalize_rewards,
+        ).reshape(-1)
+        batch["advantages"] = broadcast_sequence_values(advantages, batch["token_mask"])
+        batch["start_weight"] = torch.tensor(
+            [slot.start_weight for slot in slots]
+        ).repeat_interleave(group_size)
+        batch["target_step"] = torch.tensor(
+            [-1 if slot.target_step is None else slot.target_step for slot in slots]
+        ).repeat_interleave(group_size)
+        return batch
 
     async def _close_step(self, claimed: list[Any]) -> None:
         group_ids = [slot.group_id for slot in claimed]

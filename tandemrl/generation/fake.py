@@ -75,6 +75,9 @@ class FakeGenerationBackend(GenerationBackend):
         # None: unlimited parallelism; n: at most n requests decode at once (a throughput-bound
         # engine: a step of R requests of latency L takes about R * L / n seconds).
         self._slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        self._instant = (
+            self.latency.kind == "fixed" and self.latency.seconds == 0 and self._slots is None
+        )
         self.requests_served = 0
         self.weight_updates: list[int] = []
 
@@ -88,6 +91,8 @@ class FakeGenerationBackend(GenerationBackend):
     async def _wait_latency(self, seconds: float) -> None:
         # The request's clock advances only while awake, so a stand-down freezes it.
         remaining = seconds
+        if remaining <= 0 and not self._awake.is_set():
+            await self._awake.wait()
         while remaining > 0:
             await self._awake.wait()
             started = time.monotonic()
@@ -97,19 +102,13 @@ class FakeGenerationBackend(GenerationBackend):
                 return
             remaining -= time.monotonic() - started
 
-    async def _one(self, request: GenerationRequest) -> GenerationResult:
+    def _check_alive(self, request: GenerationRequest) -> None:
         if self.dead:
             raise GenerationError("fake generation worker is dead")
         if any(request.request_id.startswith(p) for p in self.fail_request_ids):
             raise GenerationError(f"injected failure for {request.request_id}")
-        start_version = self._version
-        latency = self.latency.sample(self._rng)
-        if latency > 0:
-            await self._wait_latency(latency)
-        elif not self._awake.is_set():
-            await self._awake.wait()
-        if self.dead:
-            raise GenerationError("fake generation worker died mid-request")
+
+    def _result(self, request: GenerationRequest, start_version: int) -> GenerationResult:
         if request.request_id in self._aborted:
             return GenerationResult(
                 request.request_id,
@@ -122,16 +121,23 @@ class FakeGenerationBackend(GenerationBackend):
             )
         tokens = self._tokens_for(request)
         self.requests_served += 1
-        finish = "length" if len(tokens) >= request.max_new_tokens else "stop"
         return GenerationResult(
             request_id=request.request_id,
             prompt_token_ids=list(request.prompt_token_ids),
             token_ids=tokens,
             logprobs=[-1.0] * len(tokens),
-            finish_reason=finish,
+            finish_reason="length" if len(tokens) >= request.max_new_tokens else "stop",
             token_weight_versions=[self._version] * len(tokens),
             start_weight_version=start_version,
         )
+
+    async def _one(self, request: GenerationRequest) -> GenerationResult:
+        self._check_alive(request)
+        start_version = self._version
+        await self._wait_latency(self.latency.sample(self._rng))
+        if self.dead:
+            raise GenerationError("fake generation worker died mid-request")
+        return self._result(request, start_version)
 
     async def _one_limited(self, request: GenerationRequest) -> GenerationResult:
         if self._slots is None:
@@ -140,11 +146,14 @@ class FakeGenerationBackend(GenerationBackend):
             return await self._one(request)
 
     async def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        if self._slots is not None:
-            return list(await asyncio.gather(*(self._one_limited(r) for r in requests)))
-        if len(requests) == 1:
-            return [await self._one(requests[0])]
-        return list(await asyncio.gather(*(self._one(r) for r in requests)))
+        if self._instant and self._awake.is_set():
+            # Zero latency: no per-request tasks, so benchmarks measure the controller.
+            for request in requests:
+                self._check_alive(request)
+            await asyncio.sleep(0)
+            return [self._result(request, self._version) for request in requests]
+        call = self._one_limited if self._slots is not None else self._one
+        return list(await asyncio.gather(*(call(r) for r in requests)))
 
     async def update_weights(self, version: int, weights: Any) -> None:
         self._version = version

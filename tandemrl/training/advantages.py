@@ -72,6 +72,31 @@ def grpo_advantages_by_group(
     return advantages
 
 
+def grpo_advantages_grouped(
+    rewards: torch.Tensor,
+    *,
+    leave_one_out: bool,
+    normalize: bool,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """[K, G] advantages of K equal-sized groups at once; row k equals ``grpo_advantages(rewards[k])``."""
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be 2-D [K, G], got shape {tuple(rewards.shape)}")
+    rewards = rewards.to(torch.float32)
+    group_size = rewards.shape[1]
+    if group_size < 2:
+        return torch.zeros_like(rewards)
+    std = rewards.std(dim=1, keepdim=True)
+    if leave_one_out:
+        baseline = (rewards.sum(dim=1, keepdim=True) - rewards) / (group_size - 1)
+    else:
+        baseline = rewards.mean(dim=1, keepdim=True)
+    advantages = rewards - baseline
+    if normalize:
+        advantages = advantages / (std + eps)
+    return torch.where(std < eps, torch.zeros_like(advantages), advantages)
+
+
 def broadcast_sequence_values(per_sequence: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:
     """[B] values → [B, L]: each sequence's value at its generated positions, 0 elsewhere."""
     return per_sequence.to(torch.float32)[:, None] * token_mask.to(torch.float32)

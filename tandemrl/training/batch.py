@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from tandemrl.training.api import TrainBatch
 
@@ -53,26 +54,33 @@ def make_training_row(
     ``completion_logprobs`` holds one logprob per completion token, as ``GenerationResult``
     reports them; they are placed at the completion positions of ``generation_logprobs``.
     """
-    prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1)
-    completion = torch.as_tensor(completion_ids, dtype=torch.long).reshape(-1)
-    logprobs = torch.as_tensor(completion_logprobs, dtype=torch.float32).reshape(-1)
-    if logprobs.numel() != completion.numel():
+    # Plain lists in, one tensor constructor per field: this runs once per generated sequence
+    # on the controller's event loop, so it stays lean.
+    prompt = prompt_ids.tolist() if isinstance(prompt_ids, torch.Tensor) else list(prompt_ids)
+    completion = (
+        completion_ids.tolist()
+        if isinstance(completion_ids, torch.Tensor)
+        else list(completion_ids)
+    )
+    logprobs = (
+        completion_logprobs.tolist()
+        if isinstance(completion_logprobs, torch.Tensor)
+        else list(completion_logprobs)
+    )
+    if len(logprobs) != len(completion):
         raise BatchError(
-            f"completion has {completion.numel()} tokens but {logprobs.numel()} logprobs; "
+            f"completion has {len(completion)} tokens but {len(logprobs)} logprobs; "
             "the generator must report one logprob per generated token"
         )
-    if prompt.numel() == 0:
+    if not prompt:
         raise BatchError("a training row needs at least one prompt token")
-    num_prompt = prompt.numel()
-    input_ids = torch.cat([prompt, completion])
-    token_mask = torch.zeros(input_ids.numel(), dtype=torch.float32)
-    token_mask[num_prompt:] = 1.0
-    generation_logprobs = torch.zeros(input_ids.numel(), dtype=torch.float32)
-    generation_logprobs[num_prompt:] = logprobs
+    num_prompt, num_completion = len(prompt), len(completion)
     return {
-        "input_ids": input_ids,
-        "token_mask": token_mask,
-        "generation_logprobs": generation_logprobs,
+        "input_ids": torch.tensor(prompt + completion, dtype=torch.long),
+        "token_mask": torch.tensor(
+            [0.0] * num_prompt + [1.0] * num_completion, dtype=torch.float32
+        ),
+        "generation_logprobs": torch.tensor([0.0] * num_prompt + logprobs, dtype=torch.float32),
         "reward": torch.tensor(float(reward), dtype=torch.float32),
         "sample_mask": torch.tensor(float(sample_mask), dtype=torch.float32),
     }
@@ -119,27 +127,27 @@ def collate_rows(rows: list[dict[str, torch.Tensor]], pad_token_id: int) -> Trai
                 raise BatchError(f"field {key!r} must hold one value per row")
             batch[key] = torch.stack([v.reshape(()) for v in values]).to(torch.float32)
             continue
-        pad_value = pad_token_id if key == "input_ids" else 0
-        dtype = values[0].dtype if key == "input_ids" else None
-        padded = []
+        if key in BROADCASTABLE_KEYS:
+            values = [
+                value.to(torch.float32) * rows[i]["token_mask"].to(torch.float32)
+                if value.dim() == 0
+                else value
+                for i, value in enumerate(values)
+            ]
         for i, (value, length) in enumerate(zip(values, lengths, strict=True)):
-            if value.dim() == 0 and key in BROADCASTABLE_KEYS:
-                value = value.to(torch.float32) * rows[i]["token_mask"].to(torch.float32)
             if value.dim() != 1 or value.numel() != length:
                 raise BatchError(
                     f"row {i}: field {key!r} has shape {tuple(value.shape)}, expected "
                     f"({length},) like its input_ids"
                 )
-            out = torch.full((max_len,), pad_value, dtype=dtype or torch.float32)
-            out[:length] = value
-            padded.append(out)
-        batch[key] = torch.stack(padded)
-    if batch["input_ids"].dtype != torch.long:
-        batch["input_ids"] = batch["input_ids"].long()
-    attention_mask = torch.zeros(len(rows), max_len, dtype=torch.long)
-    for i, length in enumerate(lengths):
-        attention_mask[i, :length] = 1
-    batch["attention_mask"] = attention_mask
+        if key == "input_ids":
+            batch[key] = pad_sequence(values, batch_first=True, padding_value=pad_token_id).long()
+        else:
+            batch[key] = pad_sequence(
+                [v.to(torch.float32) for v in values], batch_first=True, padding_value=0.0
+            )
+    positions = torch.arange(max_len)
+    batch["attention_mask"] = (positions[None, :] < torch.tensor(lengths)[:, None]).long()
     return batch
 
 
