@@ -47,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -87,6 +88,12 @@ SNAPSHOT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 
 
+_MISSING_TQ = (
+    "simple data plane: data_plane.backend 'simple' needs TransferQueue; install it with "
+    "`pip install -e .[tq]` (transferqueue==0.1.11), or use data_plane.backend: local"
+)
+
+
 def tq_thread_count(cpu_count: int | None = None) -> int:
     """Threads TransferQueue may use per process (torch ops in put/get, ZMQ I/O).
 
@@ -106,10 +113,7 @@ def _import_transfer_queue() -> Any:
         import transfer_queue
         import transfer_queue.client
     except ImportError as exc:
-        raise DataPlaneError(
-            "simple data plane: data_plane.backend 'simple' needs TransferQueue; install it with "
-            "`pip install -e .[tq]` (transferqueue==0.1.11), or use data_plane.backend: local"
-        ) from exc
+        raise DataPlaneError(_MISSING_TQ) from exc
     # The client reads TQ_NUM_THREADS once, at import; when something imported TransferQueue
     # before us, the default (8) stuck, and every put/get on a machine with fewer cores logs a
     # warning while clamping it. Set the value the environment variable would have set.
@@ -151,6 +155,8 @@ class SimpleDataPlane(DataPlane):
     supports_native_save = True
 
     def __init__(self, cfg: DataPlaneConfig) -> None:
+        if importlib.util.find_spec("transfer_queue") is None:
+            raise DataPlaneError(_MISSING_TQ)
         self.cfg = cfg
         self._start_lock = threading.Lock()
         self._io: _IoThread | None = None
@@ -159,6 +165,16 @@ class SimpleDataPlane(DataPlane):
         self._storage_units: dict[str, Any] = {}
         self._bind_address: str | None = None
         self._closed = False
+
+    def __reduce__(self) -> tuple[Any, tuple[DataPlaneConfig]]:
+        # An unstarted plane is just its config (the driver may build it and hand it to the
+        # controller actor); a started one owns a thread, sockets and actor handles.
+        if self._client is not None or self._closed:
+            raise DataPlaneError(
+                "simple data plane: a started or closed plane cannot be pickled; build the "
+                "plane in the process that uses it (or pass it on before its first call)"
+            )
+        return (SimpleDataPlane, (self.cfg,))
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -23,12 +23,14 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from tensordict import TensorDict
 
 from tandemrl.dataplane.base import DataPlaneError, Row
+
+if TYPE_CHECKING:  # tensordict comes with TransferQueue, an optional extra
+    from tensordict import TensorDict
 
 TAG_NAME = "tandemrl_row"
 
@@ -128,6 +130,8 @@ def tag_key(tag: Mapping[str, Any] | None) -> str | None:
 
 def pack_rows(rows: Mapping[str, Row]) -> list[PackedGroup]:
     """Group rows by (field, dtype) signature and build one TransferQueue batch per group."""
+    from tensordict import TensorDict
+
     groups: dict[tuple[tuple[str, str], ...], list[str]] = {}
     for sample_id, row in rows.items():
         signature = tuple(sorted((field, dtype_name(t.dtype)) for field, t in row.items()))

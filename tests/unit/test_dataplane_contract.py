@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import pickle
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -253,3 +254,15 @@ def test_simple_row_checks_refuse_bad_rows() -> None:
             [{"f": (torch.int64, (2,))}],
             tq_rows.pack_rows({"k": {"f": torch.zeros(2)}})[0].batch,
         )
+
+
+def test_simple_unstarted_plane_pickles_as_its_config() -> None:
+    if importlib.util.find_spec("transfer_queue") is None:
+        pytest.skip("TransferQueue is not installed (pip install -e .[tq])")
+    from tandemrl.dataplane.simple import SimpleDataPlane
+
+    cfg = DataPlaneConfig(backend="simple", num_storage_units=2, call_timeout_s=5)
+    clone = pickle.loads(pickle.dumps(SimpleDataPlane(cfg)))
+    assert isinstance(clone, SimpleDataPlane)
+    assert clone.cfg == cfg
+    assert not clone.started
