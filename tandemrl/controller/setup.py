@@ -1,0 +1,128 @@
+"""Launch a run's processes on Ray: generation workers, the policy trainer, the controller.
+
+Placement comes from the config:
+
+- CPU only (no GPU in the cluster): each generation worker and the policy trainer reserve one
+  CPU (half a CPU each when the cluster has fewer CPUs than processes), so generation and
+  training run on different cores and overlap in time.
+- GPU, non-colocated: ``policy.generation.colocated.resources.gpus_per_node`` GPUs go to
+  generation (split over ``policy.generation.num_workers``), the rest of the node to training.
+- GPU, colocated: generation and training share the GPU (half a GPU each as far as Ray's
+  accounting goes); the engine stands down for every train step.
+
+The controller actor reserves no CPU: it spends its time waiting on the workers.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandemrl.config.models import MasterConfig
+from tandemrl.controller.actor import SingleControllerActor
+from tandemrl.generation import engine_options
+from tandemrl.generation.worker import make_generation_worker_class
+from tandemrl.models import resolve_model_path
+from tandemrl.training.policy_worker import create_policy_worker_actor
+
+log = logging.getLogger(__name__)
+
+
+class PlacementError(ValueError):
+    """The cluster cannot hold the processes the config asks for."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    generation_cpus: float
+    generation_gpus: float
+    trainer_cpus: float
+    trainer_gpus: float
+
+
+def plan_placement(cfg: MasterConfig, *, cluster_cpus: float, cluster_gpus: float) -> Placement:
+    workers = cfg.policy.generation.num_workers
+    colocated = cfg.policy.generation.colocated
+    processes = workers + 1
+    cpus_each = 1.0 if cluster_cpus >= processes else cluster_cpus / processes
+    if cluster_gpus == 0:
+        if colocated.resources.gpus_per_node > 0:
+            raise PlacementError(
+                f"policy.generation.colocated.resources.gpus_per_node="
+                f"{colocated.resources.gpus_per_node} but the Ray cluster has no GPU; set it to 0 "
+                "for a CPU run"
+            )
+        return Placement(cpus_each, 0.0, cpus_each, 0.0)
+    if colocated.enabled:
+        return Placement(cpus_each, 0.5 / workers, cpus_each, 0.5)
+    generation_gpus = colocated.resources.gpus_per_node
+    if generation_gpus < 1 or generation_gpus >= cluster_gpus:
+        raise PlacementError(
+            f"non-colocated generation needs policy.generation.colocated.resources.gpus_per_node "
+            f"between 1 and {int(cluster_gpus) - 1} (the rest train); got {generation_gpus} "
+            f"with {int(cluster_gpus)} GPU(s) in the cluster"
+        )
+    return Placement(cpus_each, generation_gpus / workers, cpus_each, min(cluster_gpus - generation_gpus, 1.0))
+
+
+@dataclass
+class Launched:
+    controller: Any
+    trainer: Any
+    engines: list[Any]
+    resume_step: int = 0
+    _cleanup: list[Callable[[], None]] = field(default_factory=list)
+
+    def shutdown(self) -> None:
+        import ray
+
+        for handle in [self.controller, self.trainer, *self.engines]:
+            ray.kill(handle, no_restart=True)
+
+
+def launch(cfg: MasterConfig) -> Launched:
+    import ray
+
+    resources = ray.cluster_resources()
+    placement = plan_placement(
+        cfg, cluster_cpus=resources.get("CPU", 1.0), cluster_gpus=resources.get("GPU", 0.0)
+    )
+    model_path = str(resolve_model_path(cfg.policy.model_name))
+    log.info("model %s; placement %s", model_path, placement)
+    algo = cfg.algorithm
+    if cfg.policy.generation.backend != "torch":
+        raise PlacementError(
+            f"policy.generation.backend={cfg.policy.generation.backend!r} cannot be launched on Ray "
+            "by this build; use 'torch'"
+        )
+    worker_class = make_generation_worker_class(
+        num_cpus=placement.generation_cpus, num_gpus=placement.generation_gpus
+    )
+    options = engine_options(
+        cfg.policy,
+        recompute_kv_cache_after_weight_updates=cfg.async_rl.recompute_kv_cache_after_weight_updates,
+        seed=algo.seed,
+    )
+    engines = [
+        worker_class.remote(model_path, **{**options, "seed": algo.seed + index})
+        for index in range(cfg.policy.generation.num_workers)
+    ]
+    trainer = create_policy_worker_actor(
+        cfg.policy,
+        cfg.loss_fn,
+        model_path=model_path,
+        seed=algo.seed,
+        num_cpus=placement.trainer_cpus,
+        num_gpus=placement.trainer_gpus,
+    )
+    controller = (
+        ray.remote(num_cpus=0, max_concurrency=8)(SingleControllerActor)
+        .options(name=None)
+        .remote(cfg, model_path, trainer, engines)
+    )
+    # Fail here, not mid-run, when a worker cannot start (bad model folder, no memory).
+    ray.get([engine.ping.remote() for engine in engines])
+    ray.get(trainer.get_state.remote())
+    return Launched(controller=controller, trainer=trainer, engines=engines, resume_step=0)
