@@ -10,6 +10,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from tandemrl.config.models import LossConfig, PolicyConfig, SchedulerConfig
+from tandemrl.training.api import Trainer
 from tandemrl.training.batch import collate_rows, count_loss_tokens, make_training_row
 from tandemrl.training.losses import AllMaskedStepError
 from tandemrl.training.policy_worker import PolicyWorker
@@ -95,6 +96,7 @@ def test_chunked_step_matches_one_big_step_and_steps_once(model_dir: Path) -> No
         return await whole.finish_train_step(), await chunked.finish_train_step()
 
     metrics_whole, metrics_chunked = asyncio.run(run())
+    assert isinstance(whole, Trainer)
     assert whole.optimizer_steps == chunked.optimizer_steps == 1
     assert metrics_chunked["optimizer_steps"] == 1.0 and metrics_chunked["num_chunks"] == 2.0
     assert metrics_whole["num_tokens"] == metrics_chunked["num_tokens"] == step_tokens

@@ -12,6 +12,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from tandemrl.config.models import ValueConfig, ValueLossConfig
 from tandemrl.training.advantages import gae, sequence_rewards_to_tokens
+from tandemrl.training.api import ValueTrainer
 from tandemrl.training.batch import collate_rows, count_loss_tokens, make_training_row
 from tandemrl.training.value_worker import ValueWorker
 from tandemrl.training.worker_common import CheckpointError
@@ -132,6 +133,7 @@ def test_chunked_step_matches_whole_step(model_dir: Path) -> None:
 
     asyncio.run(run())
     assert whole.optimizer_steps == chunked.optimizer_steps == 1
+    assert isinstance(whole, ValueTrainer)
 
 
 def test_checkpoint_round_trip_and_warm_start(model_dir: Path, tmp_path: Path) -> None:
