@@ -15,6 +15,7 @@ from tandemrl.buffer import ReplayBuffer
 from tandemrl.config.models import MasterConfig
 from tandemrl.controller.barrier import CheckpointBarrier
 from tandemrl.controller.single_controller import ControllerSettings, SingleController, StepHook
+from tandemrl.controller.step_runner import GRPOStepRunner, StepRunner
 from tandemrl.controller.weight_sync import DirectWeightSync, WeightSynchronizer
 from tandemrl.data.dataloader import PromptDataLoader
 from tandemrl.dataplane import create_data_plane
@@ -36,9 +37,23 @@ class ControllerParts:
     weight_sync: WeightSynchronizer | None = None  # default: DirectWeightSync(trainer, pool)
     data_plane: DataPlane | None = None  # default: from cfg.data_plane
     dataloader: PromptDataLoader | None = None  # default: from cfg.data
+    step_runner: StepRunner | None = None  # default: make_step_runner(cfg, trainer)
 
 
-def controller_settings(cfg: MasterConfig, *, pad_token_id: int) -> ControllerSettings:
+def make_step_runner(cfg: MasterConfig, trainer: Any, *, pad_token_id: int) -> StepRunner:
+    if cfg.is_ppo:
+        raise NotImplementedError("PPO step runner: see tandemrl.controller.ppo_step")
+    algo = cfg.algorithm
+    return GRPOStepRunner(
+        trainer,
+        group_size=algo.num_generations_per_prompt,
+        leave_one_out_baseline=algo.use_leave_one_out_baseline,
+        normalize_rewards=algo.normalize_rewards,
+        pad_token_id=pad_token_id,
+    )
+
+
+def controller_settings(cfg: MasterConfig) -> ControllerSettings:
     algo = cfg.algorithm
     failure = cfg.async_rl.rollout_failure
     return ControllerSettings(
@@ -48,11 +63,8 @@ def controller_settings(cfg: MasterConfig, *, pad_token_id: int) -> ControllerSe
         min_groups_for_streaming_train=cfg.async_rl.min_groups_for_streaming_train,
         max_inflight_prompts=cfg.async_rl.max_inflight_prompts,
         colocated=cfg.policy.generation.colocated.enabled,
-        leave_one_out_baseline=getattr(algo, "use_leave_one_out_baseline", True),
-        normalize_rewards=getattr(algo, "normalize_rewards", True),
         on_dropped_prompt=failure.on_dropped_prompt,
         min_step_batch_fraction=failure.min_step_batch_fraction,
-        pad_token_id=pad_token_id,
     )
 
 
@@ -98,7 +110,7 @@ def build_controller(
         seed=algo.seed,
     )
     return SingleController(
-        settings=controller_settings(cfg, pad_token_id=parts.codec.pad_token_id),
+        settings=controller_settings(cfg),
         buffer=buffer,
         sampler=sampler,
         data_plane=data_plane,
@@ -106,6 +118,8 @@ def build_controller(
         rollout_manager=manager,
         generation=pool,
         trainer=parts.trainer,
+        step_runner=parts.step_runner
+        or make_step_runner(cfg, parts.trainer, pad_token_id=parts.codec.pad_token_id),
         weight_sync=parts.weight_sync or DirectWeightSync(parts.trainer, pool),
         barrier=barrier,
         step_hooks=step_hooks,

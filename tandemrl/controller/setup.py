@@ -64,7 +64,9 @@ def plan_placement(cfg: MasterConfig, *, cluster_cpus: float, cluster_gpus: floa
             f"between 1 and {int(cluster_gpus) - 1} (the rest train); got {generation_gpus} "
             f"with {int(cluster_gpus)} GPU(s) in the cluster"
         )
-    return Placement(cpus_each, generation_gpus / workers, cpus_each, min(cluster_gpus - generation_gpus, 1.0))
+    return Placement(
+        cpus_each, generation_gpus / workers, cpus_each, min(cluster_gpus - generation_gpus, 1.0)
+    )
 
 
 @dataclass

@@ -29,19 +29,16 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from tandemrl.controller.barrier import CheckpointBarrier
 from tandemrl.controller.step_metrics import StepAccumulator, TrainedGroup
+from tandemrl.controller.step_runner import StepRunner
 from tandemrl.controller.weight_sync import WeightSynchronizer
 from tandemrl.dataplane.base import DataPlane
 from tandemrl.rollout.failures import RolloutDropped
 from tandemrl.rollout.generation_pool import GenerationPool
 from tandemrl.rollout.ledger import UnfinishedGroup
 from tandemrl.rollout.manager import GroupAborted, RolloutManager
-from tandemrl.training.advantages import broadcast_sequence_values, grpo_advantages_grouped
-from tandemrl.training.api import TrainBatch, Trainer
-from tandemrl.training.batch import collate_rows
+from tandemrl.training.api import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +55,8 @@ class ControllerSettings:
     min_groups_for_streaming_train: int
     max_inflight_prompts: int
     colocated: bool = False
-    leave_one_out_baseline: bool = True
-    normalize_rewards: bool = True
     on_dropped_prompt: str = "shrink"
     min_step_batch_fraction: float = 0.5
-    pad_token_id: int = 0
 
 
 @dataclass
@@ -107,6 +101,7 @@ class SingleController:
         rollout_manager: RolloutManager,
         generation: GenerationPool,
         trainer: Trainer,
+        step_runner: StepRunner,
         weight_sync: WeightSynchronizer,
         barrier: CheckpointBarrier,
         step_hooks: list[StepHook] | None = None,
@@ -119,6 +114,7 @@ class SingleController:
         self.rollout_manager = rollout_manager
         self.generation = generation
         self.trainer = trainer
+        self.step_runner = step_runner
         self.weight_sync = weight_sync
         self.barrier = barrier
         self.step_hooks = list(step_hooks or [])
@@ -306,13 +302,13 @@ class SingleController:
             if not began:
                 if self.settings.colocated:
                     await self.generation.sleep()
-                await self.trainer.begin_train_step()
+                await self.step_runner.begin(version=version)
                 began = True
             claimed.extend(slots)
             await self._train_chunk(
                 slots, version, step_num_sequences=groups_wanted * self.settings.group_size
             )
-        train_metrics = await self.trainer.finish_train_step()
+        train_metrics = await self.step_runner.finish()
         await self._close_step(claimed)
         sync_seconds = await self._bump_version_and_sync()
         await self._finish_step_bookkeeping(train_metrics, sync_seconds)
@@ -329,11 +325,8 @@ class SingleController:
     async def _train_chunk(
         self, slots: list[Any], version: int, *, step_num_sequences: int
     ) -> None:
-        sample_ids = [sid for slot in slots for sid in slot.sample_ids]
-        rows = await self.data_plane.get(sample_ids)
-        batch = self._advantage_stage(slots, rows)
-        batch["prev_logprobs"] = await self.trainer.get_logprobs(batch)
-        await self.trainer.train_microbatches(batch, step_num_sequences=step_num_sequences)
+        rows = await self.data_plane.get([sid for slot in slots for sid in slot.sample_ids])
+        await self.step_runner.train_chunk(slots, rows, step_num_sequences=step_num_sequences)
         for slot in slots:
             trained = TrainedGroup(
                 group_id=slot.group_id,
@@ -346,28 +339,6 @@ class SingleController:
             )
             self._acc.groups.append(trained)
             self.trained_groups.append((self.state.step, trained))
-
-    def _advantage_stage(
-        self, slots: list[Any], rows: dict[str, dict[str, torch.Tensor]]
-    ) -> TrainBatch:
-        """GRPO: per group, a (leave-one-out) baseline and optional std normalisation."""
-        batch = collate_rows(
-            [rows[sid] for slot in slots for sid in slot.sample_ids], self.settings.pad_token_id
-        )
-        group_size = self.settings.group_size
-        advantages = grpo_advantages_grouped(
-            batch["reward"].reshape(len(slots), group_size),
-            leave_one_out=self.settings.leave_one_out_baseline,
-            normalize=self.settings.normalize_rewards,
-        ).reshape(-1)
-        batch["advantages"] = broadcast_sequence_values(advantages, batch["token_mask"])
-        batch["start_weight"] = torch.tensor(
-            [slot.start_weight for slot in slots]
-        ).repeat_interleave(group_size)
-        batch["target_step"] = torch.tensor(
-            [-1 if slot.target_step is None else slot.target_step for slot in slots]
-        ).repeat_interleave(group_size)
-        return batch
 
     async def _close_step(self, claimed: list[Any]) -> None:
         group_ids = [slot.group_id for slot in claimed]
@@ -390,7 +361,9 @@ class SingleController:
         self._rollout_permission.clear()
         self.waiting_on["train"] = "weight sync"
         try:
-            seconds = await self.weight_sync.sync(self.trainer_version)
+            seconds = 0.0
+            if self.step_runner.refit_after_step():
+                seconds = await self.weight_sync.sync(self.trainer_version)
             await self._abort_stale_inflight()
             if self.settings.colocated:
                 await self.generation.wake()

@@ -1,0 +1,96 @@
+"""How one RL step trains, once the train pump has selected its groups.
+
+The train pump owns *which* groups a step trains (evict, select, claim, close, version bump,
+weight sync); a ``StepRunner`` owns *how* they are trained. The pump calls
+
+    begin() → train_chunk(slots, rows, ...) once per selected chunk → finish()
+
+and after ``finish`` asks ``refit_after_step()`` whether the policy changed (PPO critic
+warm-up trains only the critic, so there is nothing to sync).
+
+``GRPOStepRunner``: per chunk, group advantages (leave-one-out baseline, std normalisation),
+the trainer's own logprobs as ``prev_logprobs``, then gradient accumulation; ``finish`` applies
+exactly one optimizer step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from tandemrl.training.advantages import broadcast_sequence_values, grpo_advantages_grouped
+from tandemrl.training.api import TrainBatch, Trainer
+from tandemrl.training.batch import collate_rows
+
+
+class StepRunner(Protocol):
+    async def begin(self, *, version: int) -> None: ...
+
+    async def train_chunk(
+        self, slots: list[Any], rows: dict[str, dict[str, torch.Tensor]], *, step_num_sequences: int
+    ) -> None: ...
+
+    async def finish(self) -> dict[str, float]: ...
+
+    def refit_after_step(self) -> bool: ...
+
+
+def collate_step_rows(
+    slots: list[Any], rows: dict[str, dict[str, torch.Tensor]], *, pad_token_id: int
+) -> TrainBatch:
+    """Collate the groups' rows in slot order and stamp each row's version fields."""
+    batch = collate_rows([rows[sid] for slot in slots for sid in slot.sample_ids], pad_token_id)
+    group_size = len(slots[0].sample_ids)
+    batch["start_weight"] = torch.tensor([slot.start_weight for slot in slots]).repeat_interleave(
+        group_size
+    )
+    batch["target_step"] = torch.tensor(
+        [-1 if slot.target_step is None else slot.target_step for slot in slots]
+    ).repeat_interleave(group_size)
+    return batch
+
+
+class GRPOStepRunner:
+    def __init__(
+        self,
+        trainer: Trainer,
+        *,
+        group_size: int,
+        leave_one_out_baseline: bool,
+        normalize_rewards: bool,
+        pad_token_id: int,
+    ) -> None:
+        self.trainer = trainer
+        self.group_size = group_size
+        self.leave_one_out_baseline = leave_one_out_baseline
+        self.normalize_rewards = normalize_rewards
+        self.pad_token_id = pad_token_id
+
+    async def begin(self, *, version: int) -> None:
+        await self.trainer.begin_train_step()
+
+    def advantage_stage(
+        self, slots: list[Any], rows: dict[str, dict[str, torch.Tensor]]
+    ) -> TrainBatch:
+        batch = collate_step_rows(slots, rows, pad_token_id=self.pad_token_id)
+        advantages = grpo_advantages_grouped(
+            batch["reward"].reshape(len(slots), self.group_size),
+            leave_one_out=self.leave_one_out_baseline,
+            normalize=self.normalize_rewards,
+        ).reshape(-1)
+        batch["advantages"] = broadcast_sequence_values(advantages, batch["token_mask"])
+        return batch
+
+    async def train_chunk(
+        self, slots: list[Any], rows: dict[str, dict[str, torch.Tensor]], *, step_num_sequences: int
+    ) -> None:
+        batch = self.advantage_stage(slots, rows)
+        batch["prev_logprobs"] = await self.trainer.get_logprobs(batch)
+        await self.trainer.train_microbatches(batch, step_num_sequences=step_num_sequences)
+
+    async def finish(self) -> dict[str, float]:
+        return await self.trainer.finish_train_step()
+
+    def refit_after_step(self) -> bool:
+        return True
