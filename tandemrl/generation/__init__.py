@@ -8,10 +8,12 @@ heavy or optional backends are imported only when chosen. Ray workers wrap the s
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tandemrl.config.models import PolicyConfig
 from tandemrl.generation.base import GenerationBackend, GenerationError
+
+if TYPE_CHECKING:  # the config package (pydantic) stays out of light worker processes
+    from tandemrl.config.models import PolicyConfig
 
 __all__ = ["GenerationBackend", "GenerationError", "create_generation_backend", "engine_options"]
 

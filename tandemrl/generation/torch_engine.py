@@ -309,10 +309,11 @@ class TorchGenerationEngine(GenerationBackend):
                     return
                 if self._asleep_since is not None:
                     continue
-                if not self._queue and not self._running:
+                admit = self._pop_admissible()
+                if not admit and not self._running:
+                    # Nothing to decode (the queue held only requests their callers dropped).
                     self._work.clear()
                     continue
-                admit = self._pop_admissible()
                 try:
                     finished = await self._in_executor(self._step, admit)
                 except Exception as exc:  # a failed step leaves the batch unusable

@@ -499,3 +499,19 @@ def test_shutdown_finishes_inflight_requests_as_aborted(model_path: Path) -> Non
             await engine.generate([GenerationRequest("late", PROMPTS[0], 2)])
 
     asyncio.run(main())
+
+
+def test_caller_cancelled_while_queued_is_never_decoded(model_path: Path) -> None:
+    async def body(engine: TorchGenerationEngine) -> None:
+        await engine.sleep()
+        call = asyncio.ensure_future(engine.generate([GenerationRequest("q", PROMPTS[0], 50)]))
+        await asyncio.sleep(0.01)  # enqueued, frozen
+        call.cancel()
+        await engine.wake()
+        await asyncio.sleep(0.05)
+        assert engine.stats.decode_steps == 0
+        (result,) = await engine.generate([GenerationRequest("next", PROMPTS[1], 3)])
+        assert result.finish_reason == "length"
+        assert engine.stats.decode_steps == 3
+
+    run_with_engine(model_path, body, eos_token_ids=())
