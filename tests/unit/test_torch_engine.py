@@ -11,7 +11,10 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
+from tandemrl.config.models import PolicyConfig
+from tandemrl.generation import create_generation_backend
 from tandemrl.generation.base import GenerationError
+from tandemrl.generation.fake import FakeGenerationBackend
 from tandemrl.generation.torch_engine import TorchGenerationEngine
 from tandemrl.models import load_causal_lm, resolve_model_path
 from tandemrl.records import GenerationRequest, GenerationResult
@@ -515,3 +518,35 @@ def test_caller_cancelled_while_queued_is_never_decoded(model_path: Path) -> Non
         assert engine.stats.decode_steps == 3
 
     run_with_engine(model_path, body, eos_token_ids=())
+
+
+def test_create_generation_backend_follows_policy_config(model_path: Path) -> None:
+    cfg = PolicyConfig.model_validate(
+        {"device": "cpu", "precision": "float32", "generation": {"max_batch_size": 3}}
+    )
+
+    async def main() -> None:
+        engine = create_generation_backend(
+            cfg, model_path, recompute_kv_cache_after_weight_updates=True, seed=5
+        )
+        assert isinstance(engine, TorchGenerationEngine)
+        assert engine.max_batch_size == 3
+        assert engine.recompute_kv_cache_after_weight_updates
+        assert engine.device.type == "cpu" and engine.model.dtype == torch.float32
+        results = await engine.generate(
+            [GenerationRequest(f"r{i}", p, 2) for i, p in enumerate(PROMPTS)]
+        )
+        assert [len(result.token_ids) for result in results] == [2] * len(PROMPTS)
+        assert engine.stats.max_running_batch == 3
+        await engine.shutdown()
+
+    asyncio.run(main())
+    fake = cfg.model_copy(
+        update={"generation": cfg.generation.model_copy(update={"backend": "fake"})}
+    )
+    assert isinstance(create_generation_backend(fake, model_path), FakeGenerationBackend)
+    megatron = cfg.model_copy(
+        update={"generation": cfg.generation.model_copy(update={"backend": "megatron"})}
+    )
+    with pytest.raises(ValueError, match=r"policy\.generation\.backend='megatron'"):
+        create_generation_backend(megatron, model_path)
