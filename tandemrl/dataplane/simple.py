@@ -66,6 +66,8 @@ from tandemrl.config.models import DataPlaneConfig
 from tandemrl.dataplane import tq_rows
 from tandemrl.dataplane.atomic import atomic_directory, is_temporary_name, write_file_synced
 from tandemrl.dataplane.base import DataPlane, DataPlaneError, Row
+from tandemrl.dataplane.local import SNAPSHOT_FORMAT as LOCAL_SNAPSHOT_FORMAT
+from tandemrl.dataplane.local import read_snapshot as read_local_snapshot
 from tandemrl.dataplane.local import row_digest
 
 logger = logging.getLogger(__name__)
@@ -367,16 +369,9 @@ class SimpleDataPlane(DataPlane):
         except Exception as exc:
             raise DataPlaneError(f"simple data plane {call}: {type(exc).__name__}: {exc}") from exc
 
-    async def _lookup(self, call: str, keys: list[str]) -> Any:
-        """BatchMeta of the stored samples among ``keys`` (unknown keys are left out)."""
-        return await self._call(
-            call,
-            lambda client: client.async_kv_retrieve_meta(
-                keys=keys, partition_id=PARTITION_ID, create=False
-            ),
-        )
-
     # ------------------------------------------------------------------ DataPlane
+    # Each method is one bounded call: everything it asks TransferQueue runs in one coroutine
+    # on the tq-io loop, under one call_timeout_s.
 
     async def put(self, rows: Mapping[str, Row]) -> None:
         for sample_id, row in rows.items():
@@ -384,17 +379,23 @@ class SimpleDataPlane(DataPlane):
         if not rows:
             return
         keys = list(rows)
-        found = await self._lookup("put", keys)
-        duplicates = [
-            key for key in (tq_rows.tag_key(tag) for tag in found.custom_meta) if key is not None
-        ]
-        if duplicates:
-            raise DataPlaneError(
-                f"simple data plane put: sample id(s) already stored: {', '.join(sorted(duplicates))} "
-                "(a sample id is written once; clear it before reusing it)"
+        groups = tq_rows.pack_rows(rows)
+
+        async def put_all(client: Any) -> None:
+            found = await client.async_kv_retrieve_meta(
+                keys=keys, partition_id=PARTITION_ID, create=False
             )
-        for group in tq_rows.pack_rows(rows):
-            await self._call("put", lambda client, group=group: self._put_group(client, group))
+            duplicates = [key for key in map(tq_rows.tag_key, found.custom_meta) if key is not None]
+            if duplicates:
+                raise DataPlaneError(
+                    f"simple data plane put: sample id(s) already stored: "
+                    f"{_show(sorted(duplicates))} (a sample id is written once; clear it before "
+                    "reusing it)"
+                )
+            for group in groups:
+                await self._put_group(client, group)
+
+        await self._call("put", put_all)
 
     async def _put_group(self, client: Any, group: tq_rows.PackedGroup) -> None:
         meta = await client.async_kv_retrieve_meta(
@@ -422,7 +423,13 @@ class SimpleDataPlane(DataPlane):
         wanted = list(dict.fromkeys(keys))
         if not wanted:
             return {}
-        found = await self._lookup("get", wanted)
+        return await self._call("get", lambda client: self._get_all(client, wanted))
+
+    @staticmethod
+    async def _get_all(client: Any, wanted: list[str]) -> dict[str, Row]:
+        found = await client.async_kv_retrieve_meta(
+            keys=wanted, partition_id=PARTITION_ID, create=False
+        )
         specs: dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]] = {}
         for tag in found.custom_meta:
             key, spec = tq_rows.tag_key(tag), tq_rows.tag_fields(tag)
@@ -430,42 +437,32 @@ class SimpleDataPlane(DataPlane):
                 specs[key] = spec
         missing = [key for key in wanted if key not in specs]
         if missing:
-            shown = ", ".join(missing[:20]) + (
-                f" (+{len(missing) - 20} more)" if len(missing) > 20 else ""
+            raise DataPlaneError(
+                f"simple data plane get: sample id(s) not stored: {_show(missing)}"
             )
-            raise DataPlaneError(f"simple data plane get: sample id(s) not stored: {shown}")
 
-        # TransferQueue fetches the fields every requested sample has, so rows with different
-        # field sets are fetched group by group.
+        # TransferQueue fetches the fields that every requested sample has, so rows with
+        # different field sets are fetched group by group (usually there is one group, and the
+        # lookup above already is its metadata).
         groups: dict[tuple[str, ...], list[str]] = {}
         for key in wanted:
             groups.setdefault(tuple(sorted(specs[key])), []).append(key)
         rows: dict[str, Row] = {}
         for fields, group_keys in groups.items():
-            batch = await self._call(
-                "get",
-                lambda client, group_keys=group_keys, fields=fields: self._get_group(
-                    client, group_keys, fields
-                ),
-            )
+            if len(groups) == 1 and found.size == len(wanted):
+                meta = found
+            else:
+                meta = await client.async_kv_retrieve_meta(
+                    keys=group_keys, partition_id=PARTITION_ID, create=False
+                )
+            if sorted(meta.field_names) != list(fields) or meta.size != len(group_keys):
+                raise RuntimeError(
+                    f"stored rows changed while being read (fields {meta.field_names}, "
+                    f"{meta.size} rows; expected fields {list(fields)}, {len(group_keys)} rows)"
+                )
+            batch = await client.async_get_data(meta)
             rows.update(tq_rows.unpack_rows(group_keys, [specs[key] for key in group_keys], batch))
         return {key: rows[key] for key in wanted}
-
-    @staticmethod
-    async def _get_group(client: Any, keys: list[str], fields: tuple[str, ...]) -> Any:
-        meta = await client.async_kv_retrieve_meta(
-            keys=keys, partition_id=PARTITION_ID, create=False
-        )
-        if meta.size != len(keys):
-            raise RuntimeError(
-                f"{len(keys) - meta.size} sample id(s) were cleared while being read"
-            )
-        meta = meta.select_fields(list(fields))
-        if sorted(meta.field_names) != sorted(fields):
-            raise RuntimeError(
-                f"stored fields {meta.field_names} differ from the row tags {list(fields)}"
-            )
-        return await client.async_get_data(meta)
 
     async def clear(self, keys: Iterable[str]) -> None:
         wanted = list(dict.fromkeys(keys))
@@ -541,10 +538,16 @@ class SimpleDataPlane(DataPlane):
         return digests
 
     async def load(self, directory: Path) -> dict[str, str]:
+        """Load a snapshot of this backend, or of the local backend (switching backends)."""
         directory = Path(directory)
-        manifest = _read_manifest(directory)
         # Verify every file before storing anything: a bad snapshot leaves no partial restore.
-        rows_by_file = await asyncio.to_thread(_read_verified_rows, directory, manifest)
+        if _snapshot_format(directory) == LOCAL_SNAPSHOT_FORMAT:
+            rows, digests = await asyncio.to_thread(read_local_snapshot, directory)
+            rows_by_file = [rows]
+        else:
+            manifest = _read_manifest(directory)
+            rows_by_file = await asyncio.to_thread(_read_verified_rows, directory, manifest)
+            digests = {key: str(entry["digest"]) for key, entry in manifest["rows"].items()}
         loaded: list[str] = []
         try:
             for rows in rows_by_file:
@@ -554,7 +557,21 @@ class SimpleDataPlane(DataPlane):
             if loaded:
                 await self.clear(loaded)
             raise DataPlaneError(f"simple data plane load from {directory}: {exc}") from exc
-        return {sample_id: str(entry["digest"]) for sample_id, entry in manifest["rows"].items()}
+        return digests
+
+
+def _snapshot_format(directory: Path) -> str | None:
+    """The manifest's ``format`` when it can be read; None otherwise (load then says why)."""
+    try:
+        manifest = json.loads((directory / MANIFEST_NAME).read_bytes())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return manifest.get("format") if isinstance(manifest, dict) else None
+
+
+def _show(keys: list[str], limit: int = 20) -> str:
+    shown = ", ".join(keys[:limit])
+    return shown + (f" (+{len(keys) - limit} more)" if len(keys) > limit else "")
 
 
 def _read_manifest(directory: Path) -> dict[str, Any]:

@@ -43,14 +43,34 @@ def rows(prefix: str, count: int) -> dict[str, dict[str, torch.Tensor]]:
     }
 
 
-@pytest.fixture
-def plane(ray_session) -> Iterator:
+def start_plane():
     from tandemrl.dataplane.simple import SimpleDataPlane
 
     plane = SimpleDataPlane(
         DataPlaneConfig(backend="simple", num_storage_units=1, call_timeout_s=CALL_TIMEOUT_S)
     )
     run(plane.start())
+    return plane
+
+
+@pytest.fixture(scope="module")
+def shared_plane(ray_session) -> Iterator:
+    plane = start_plane()
+    yield plane
+    run(plane.close())
+
+
+@pytest.fixture
+def plane(shared_plane) -> Iterator:
+    """The module's healthy plane, emptied after each test."""
+    yield shared_plane
+    run(shared_plane.clear(run(shared_plane.keys())))
+
+
+@pytest.fixture
+def doomed_plane(ray_session) -> Iterator:
+    """A plane of its own, for a test that kills its actors."""
+    plane = start_plane()
     yield plane
     run(plane.close())
 
@@ -93,7 +113,23 @@ def test_calls_keep_the_callers_torch_threads_and_report_the_bind_address(plane,
     assert plane.bind_address == ray_session.util.get_node_ip_address()
 
 
-def test_dead_storage_unit_then_dead_controller_fail_within_the_timeout(plane, ray_session):
+def test_loads_a_local_backend_snapshot(plane, tmp_path):
+    from tandemrl.dataplane.local import LocalDataPlane
+
+    local = LocalDataPlane()
+    original = rows("r", 3)
+    run(local.put(original))
+    digests = run(local.save(tmp_path / "snap"))
+    assert run(plane.load(tmp_path / "snap")) == digests
+    got = run(plane.get(list(original)))
+    for key, row in original.items():
+        for field, tensor in row.items():
+            assert got[key][field].dtype == tensor.dtype
+            assert torch.equal(got[key][field], tensor)
+
+
+def test_dead_storage_unit_then_dead_controller_fail_within_the_timeout(doomed_plane, ray_session):
+    plane = doomed_plane
     run(plane.put(rows("r", 4)))
     (unit_name,) = plane.storage_unit_names
     kill_process(ray_session, plane._storage_units[unit_name])
