@@ -18,9 +18,14 @@ State machine (one decode step at a time, under ``_step_lock``):
   one prefill over their tokens with the new weights before the next step; otherwise the cache
   computed under the old weights is kept (the next tokens mix old keys/values with new weights,
   which is what most async RL systems accept for throughput).
+- Versions: each token records the weight version of the step that sampled it;
+  ``start_weight_version`` is the version when the request was admitted to the batch (for a
+  request aborted while still queued: when it was submitted).
 - ``sleep`` stops decoding (in-flight requests freeze, new ones queue); on CUDA it also drops
-  the KV cache and empties the allocator cache, and the cache is recomputed on the first step
-  after ``wake``. ``frozen_time()`` is the total time spent asleep, for deadline clocks.
+  the KV cache and empties the allocator cache (weights stay resident), and the cache is
+  recomputed on the first step after ``wake`` with the weights current then, whatever
+  ``recompute_kv_cache_after_weight_updates`` says. ``frozen_time()`` is the total time spent
+  asleep, for deadline clocks.
 
 Logprob convention (the trainer must reproduce it):
     ``logprobs[i] = log_softmax(logits / temperature)[token_ids[i]]`` for ``temperature > 0``,
