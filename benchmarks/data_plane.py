@@ -155,6 +155,7 @@ async def main(args: argparse.Namespace) -> dict:
                 f"get x{entry['simple_over_local_get_latency']}",
                 flush=True,
             )
+        actor_rss_mb = actor_memory_mb(ray, simple)
     finally:
         await simple.close()
         ray.shutdown()
@@ -164,9 +165,21 @@ async def main(args: argparse.Namespace) -> dict:
         "ray_init_s": round(ray_init_s, 2),
         "simple_start_s": round(simple_start_s, 2),
         "simple_bind_address": simple.bind_address,
+        "simple_actor_rss_mb": actor_rss_mb,
         "cpu_count": os.cpu_count(),
         "sizes": results,
     }
+
+
+def actor_memory_mb(ray, plane) -> dict[str, float]:
+    """Resident memory of the plane's actors after the run (same machine: read by pid)."""
+    import psutil
+
+    rss = {}
+    for name, handle in plane.actors().items():
+        pid = ray.get(handle.__ray_call__.remote(lambda _self: os.getpid()), timeout=60)
+        rss[name] = round(psutil.Process(pid).memory_info().rss / 2**20, 1)
+    return rss
 
 
 def parse_args() -> argparse.Namespace:

@@ -193,6 +193,11 @@ class SimpleDataPlane(DataPlane):
     def storage_unit_names(self) -> list[str]:
         return list(self._storage_units)
 
+    def actors(self) -> dict[str, Any]:
+        """Ray handles of this plane's actors: ``"controller"`` and each storage unit by name."""
+        handles = {"controller": self._controller} if self._controller is not None else {}
+        return handles | self._storage_units
+
     async def start(self) -> None:
         """Create the controller, storage units and client; idempotent, run by every call."""
         if self._closed:

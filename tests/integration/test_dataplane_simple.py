@@ -132,13 +132,13 @@ def test_dead_storage_unit_then_dead_controller_fail_within_the_timeout(doomed_p
     plane = doomed_plane
     run(plane.put(rows("r", 4)))
     (unit_name,) = plane.storage_unit_names
-    kill_process(ray_session, plane._storage_units[unit_name])
+    kill_process(ray_session, plane.actors()[unit_name])
 
     # The controller still answers lookups; the row payload never comes back.
     assert_fails_within_timeout("get", plane.get(["r1"]))
     assert sorted(run(plane.keys())) == ["r0", "r1", "r2", "r3"]
 
-    kill_process(ray_session, plane._controller)
+    kill_process(ray_session, plane.actors()["controller"])
     assert_fails_within_timeout("keys", plane.keys())
     assert_fails_within_timeout("put", plane.put(rows("s", 1)))
     assert_fails_within_timeout("clear", plane.clear(["r0"]))
