@@ -14,6 +14,7 @@ from typing import Any
 from tandemrl.buffer import ReplayBuffer
 from tandemrl.config.models import MasterConfig
 from tandemrl.controller.barrier import CheckpointBarrier
+from tandemrl.controller.ppo_step import PPOStepRunner
 from tandemrl.controller.single_controller import ControllerSettings, SingleController, StepHook
 from tandemrl.controller.step_runner import GRPOStepRunner, StepRunner
 from tandemrl.controller.weight_sync import DirectWeightSync, WeightSynchronizer
@@ -37,12 +38,28 @@ class ControllerParts:
     weight_sync: WeightSynchronizer | None = None  # default: DirectWeightSync(trainer, pool)
     data_plane: DataPlane | None = None  # default: from cfg.data_plane
     dataloader: PromptDataLoader | None = None  # default: from cfg.data
-    step_runner: StepRunner | None = None  # default: make_step_runner(cfg, trainer)
+    step_runner: StepRunner | None = None  # default: make_step_runner(cfg, trainer, ...)
+    value_trainer: Any = None  # PPO: the critic (a ValueTrainer); None on GRPO
 
 
-def make_step_runner(cfg: MasterConfig, trainer: Any, *, pad_token_id: int) -> StepRunner:
+def make_step_runner(
+    cfg: MasterConfig,
+    trainer: Any,
+    *,
+    pad_token_id: int,
+    value_trainer: Any = None,
+    sampler: Any = None,
+) -> StepRunner:
+    """GRPO: ``GRPOStepRunner``. PPO: ``PPOStepRunner`` over the policy and the critic
+    (``value_trainer``); it retunes ``sampler``'s lookahead when the critic warm-up ends."""
     if cfg.is_ppo:
-        raise NotImplementedError("PPO step runner: see tandemrl.controller.ppo_step")
+        if value_trainer is None:
+            raise ValueError(
+                "a PPO run needs a critic: pass value_trainer (ControllerParts.value_trainer)"
+            )
+        return PPOStepRunner.from_config(
+            cfg, trainer, value_trainer, pad_token_id=pad_token_id, sampler=sampler
+        )
     algo = cfg.algorithm
     return GRPOStepRunner(
         trainer,
@@ -119,7 +136,13 @@ def build_controller(
         generation=pool,
         trainer=parts.trainer,
         step_runner=parts.step_runner
-        or make_step_runner(cfg, parts.trainer, pad_token_id=parts.codec.pad_token_id),
+        or make_step_runner(
+            cfg,
+            parts.trainer,
+            pad_token_id=parts.codec.pad_token_id,
+            value_trainer=parts.value_trainer,
+            sampler=sampler,
+        ),
         weight_sync=parts.weight_sync or DirectWeightSync(parts.trainer, pool),
         barrier=barrier,
         step_hooks=step_hooks,
