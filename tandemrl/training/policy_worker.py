@@ -176,8 +176,9 @@ class PolicyWorker:
             )
 
     def _forward(
-        self, micro: TrainBatch, *, entropy_grad: bool
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, micro: TrainBatch, *, entropy: str
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logprobs [b, l], entropy [b, l] or None); ``entropy``: "none", "metric" or "grad"."""
         with autocast(self.device, self.autocast_dtype):
             logits = self.model(
                 input_ids=micro["input_ids"],
@@ -185,12 +186,12 @@ class PolicyWorker:
                 use_cache=False,
             ).logits
         logprobs, scaled = sequence_logprobs(logits, micro["input_ids"], self.temperature)
-        if entropy_grad:
-            entropy = token_entropy(scaled)
-        else:
-            with torch.no_grad():
-                entropy = token_entropy(scaled.detach())
-        return logprobs, F.pad(entropy, (1, 0))
+        if entropy == "none":
+            return logprobs, None
+        if entropy == "grad":
+            return logprobs, F.pad(token_entropy(scaled), (1, 0))
+        with torch.no_grad():
+            return logprobs, F.pad(token_entropy(scaled.detach()), (1, 0))
 
     def _get_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         self._check_length(batch)
@@ -204,7 +205,7 @@ class PolicyWorker:
             for micro in split_microbatches(batch, self.cfg.train_micro_batch_size):
                 size = micro["input_ids"].shape[0]
                 micro = self._to_device(trim_padding(micro))
-                logprobs, _ = self._forward(micro, entropy_grad=False)
+                logprobs, _ = self._forward(micro, entropy="none")
                 logprobs = logprobs * micro["attention_mask"].to(logprobs.dtype)
                 out[start : start + size, : logprobs.shape[1]] = logprobs.cpu()
                 start += size
@@ -236,7 +237,9 @@ class PolicyWorker:
             if count_loss_tokens(micro) == 0:
                 continue  # contributes exactly 0 to the step's loss and gradient
             micro = self._to_device(trim_padding(micro))
-            logprobs, entropy = self._forward(micro, entropy_grad=self.loss_cfg.entropy_coef > 0)
+            logprobs, entropy = self._forward(
+                micro, entropy="grad" if self.loss_cfg.entropy_coef > 0 else "metric"
+            )
             loss, metrics = policy_loss(
                 logprobs,
                 micro,
