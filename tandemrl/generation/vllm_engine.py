@@ -346,16 +346,25 @@ class VllmGenerationEngine(GenerationBackend):
             )
             for request in map(_checked, requests)
         ]
-        return list(await asyncio.gather(*(self._one(*item) for item in prepared)))
+        request_ids = [request.request_id for request in requests]
+        clashing = sorted(
+            {rid for rid in request_ids if rid in self._inflight or request_ids.count(rid) > 1}
+        )
+        if clashing:
+            raise ValueError(f"request ids {clashing[:5]} are already in flight on this engine")
+        # Registered before any await: an abort scheduled right after this call finds them.
+        self._inflight.update(request_ids)
+        try:
+            return list(await asyncio.gather(*(self._one(*item) for item in prepared)))
+        finally:
+            self._inflight.difference_update(request_ids)
+            self._abort_requested.difference_update(request_ids)
 
     async def _one(self, request: GenerationRequest, prompt: Any, params: Any) -> GenerationResult:
         from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
         request_id = request.request_id
-        if request_id in self._inflight:
-            raise ValueError(f"request {request_id!r} is already in flight on this engine")
         start_version = self._version
-        self._inflight.add(request_id)
         collector = None
         try:
             collector = await self._llm.add_request(request_id, prompt, params)
@@ -375,8 +384,6 @@ class VllmGenerationEngine(GenerationBackend):
         finally:
             if collector is not None:
                 collector.close()
-            self._inflight.discard(request_id)
-            self._abort_requested.discard(request_id)
         return self._result(request, output, start_version)
 
     def _result(
