@@ -140,9 +140,19 @@ class _IoThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)  # type: ignore[arg-type]
 
     def stop(self, timeout_s: float) -> bool:
-        """Stop the loop and join the thread; False when it did not end within the timeout."""
-        if self.loop.is_running():
-            self.loop.call_soon_threadsafe(self.loop.stop)
+        """Cancel what still runs, stop the loop, join the thread; False on a timeout."""
+
+        async def drain() -> None:
+            # Calls that timed out may still be cancelling; let them finish before the loop
+            # closes, so no task is destroyed while pending.
+            pending = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=min(1.0, timeout_s))
+            asyncio.get_running_loop().stop()
+
+        self.submit(drain())
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             return False

@@ -113,6 +113,21 @@ def test_calls_keep_the_callers_torch_threads_and_report_the_bind_address(plane,
     assert plane.bind_address == ray_session.util.get_node_ip_address()
 
 
+def test_concurrent_calls_from_one_loop(plane):
+    async def pump(prefix: str) -> None:
+        batch = rows(prefix, 5)
+        await plane.put(batch)
+        got = await plane.get(list(batch))
+        assert all(torch.equal(got[k]["input_ids"], batch[k]["input_ids"]) for k in batch)
+        await plane.clear(list(batch)[:2])
+
+    async def main() -> None:
+        await asyncio.gather(*(pump(f"p{i}-") for i in range(8)))
+
+    run(main())
+    assert len(run(plane.keys())) == 8 * 3
+
+
 def test_loads_a_local_backend_snapshot(plane, tmp_path):
     from tandemrl.dataplane.local import LocalDataPlane
 
