@@ -41,6 +41,8 @@ class SingleControllerActor:
         model_path: str,
         trainer_handle: Any,
         engine_handles: list[Any],
+        *,
+        value_trainer_handle: Any = None,
     ) -> None:
         torch.set_num_threads(1)
         logging.basicConfig(level=cfg.logger.level)
@@ -48,6 +50,7 @@ class SingleControllerActor:
         self.model_path = model_path
         self.trainer_handle = trainer_handle
         self.engine_handles = list(engine_handles)
+        self.value_trainer_handle = value_trainer_handle  # PPO critic; None on GRPO
         self.controller: SingleController | None = None
         self._run_task: asyncio.Task[Any] | None = None
 
@@ -65,6 +68,9 @@ class SingleControllerActor:
             env=create_environment(self.cfg.env),
             codec=text_codec(load_tokenizer(self.model_path)),
             weight_sync=RayObjectStoreWeightSync(self.trainer_handle, alive_engine_handles),
+            value_trainer=None
+            if self.value_trainer_handle is None
+            else ActorProxy(self.value_trainer_handle),
         )
         controller = build_controller(self.cfg, parts)
         controller_box.append(controller)

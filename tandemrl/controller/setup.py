@@ -9,6 +9,10 @@ Placement comes from the config:
   generation (split over ``policy.generation.num_workers``), the rest of the node to training.
 - GPU, colocated: generation and training share the GPU (half a GPU each as far as Ray's
   accounting goes); the engine stands down for every train step.
+- PPO: the critic (value worker) splits the policy trainer's share in half (on 2 CPUs: one CPU
+  generates, the policy trainer and the critic hold 0.5 each). The two never compute at the
+  same time for long — a PPO step runs the critic stages, then the policy epochs — so they
+  share the training core or GPU instead of taking one from generation.
 
 The controller actor reserves no CPU: it spends its time waiting on the workers.
 """
@@ -26,6 +30,7 @@ from tandemrl.generation import engine_options
 from tandemrl.generation.worker import make_generation_worker_class
 from tandemrl.models import resolve_model_path
 from tandemrl.training.policy_worker import create_policy_worker_actor
+from tandemrl.training.value_worker import create_value_worker_actor
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +45,21 @@ class Placement:
     generation_gpus: float
     trainer_cpus: float
     trainer_gpus: float
+    value_cpus: float = 0.0  # PPO critic; 0 on GRPO
+    value_gpus: float = 0.0
 
 
 def plan_placement(cfg: MasterConfig, *, cluster_cpus: float, cluster_gpus: float) -> Placement:
+    placement = _plan_policy_placement(cfg, cluster_cpus=cluster_cpus, cluster_gpus=cluster_gpus)
+    if not cfg.is_ppo:
+        return placement
+    cpus, gpus = placement.trainer_cpus / 2, placement.trainer_gpus / 2
+    return Placement(placement.generation_cpus, placement.generation_gpus, cpus, gpus, cpus, gpus)
+
+
+def _plan_policy_placement(
+    cfg: MasterConfig, *, cluster_cpus: float, cluster_gpus: float
+) -> Placement:
     workers = cfg.policy.generation.num_workers
     colocated = cfg.policy.generation.colocated
     processes = workers + 1
@@ -76,11 +93,13 @@ class Launched:
     engines: list[Any]
     resume_step: int = 0
     _cleanup: list[Callable[[], None]] = field(default_factory=list)
+    value_trainer: Any = None  # PPO: the critic's actor handle
 
     def shutdown(self) -> None:
         import ray
 
-        for handle in [self.controller, self.trainer, *self.engines]:
+        critic = [] if self.value_trainer is None else [self.value_trainer]
+        for handle in [self.controller, self.trainer, *critic, *self.engines]:
             ray.kill(handle, no_restart=True)
 
 
@@ -119,12 +138,35 @@ def launch(cfg: MasterConfig) -> Launched:
         num_cpus=placement.trainer_cpus,
         num_gpus=placement.trainer_gpus,
     )
+    value_trainer = None
+    if cfg.is_ppo:
+        assert cfg.value is not None and cfg.value_loss_fn is not None  # validation
+        value_trainer = create_value_worker_actor(
+            cfg.value,
+            cfg.value_loss_fn,
+            # value.model_name null: the policy's model with a fresh value head.
+            model_path=None if cfg.value.model_name is not None else model_path,
+            seed=algo.seed,
+            device=cfg.policy.device,
+            precision=cfg.policy.precision,
+            activation_checkpointing=cfg.policy.dtensor_cfg.activation_checkpointing,
+            num_cpus=placement.value_cpus,
+            num_gpus=placement.value_gpus,
+        )
     controller = (
         ray.remote(num_cpus=0, max_concurrency=8)(SingleControllerActor)
         .options(name=None)
-        .remote(cfg, model_path, trainer, engines)
+        .remote(cfg, model_path, trainer, engines, value_trainer_handle=value_trainer)
     )
     # Fail here, not mid-run, when a worker cannot start (bad model folder, no memory).
     ray.get([engine.ping.remote() for engine in engines])
     ray.get(trainer.get_state.remote())
-    return Launched(controller=controller, trainer=trainer, engines=engines, resume_step=0)
+    if value_trainer is not None:
+        ray.get(value_trainer.get_state.remote())
+    return Launched(
+        controller=controller,
+        trainer=trainer,
+        engines=engines,
+        resume_step=0,
+        value_trainer=value_trainer,
+    )
