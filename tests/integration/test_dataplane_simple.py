@@ -102,12 +102,21 @@ def assert_fails_within_timeout(call: str, coro) -> None:
 
 
 def test_calls_keep_the_callers_torch_threads_and_report_the_bind_address(plane, ray_session):
-    torch.set_num_threads(1)
-    run(plane.put(rows("r", 3)))
-    assert sorted(run(plane.get(["r0", "r2"]))) == ["r0", "r2"]
-    # TransferQueue sets torch's thread count around put/get; that happens on the plane's
-    # own I/O thread, never on the caller's.
-    assert torch.get_num_threads() == 1
+    from transfer_queue.utils import common
+
+    from tandemrl.dataplane.simple import tq_thread_count
+
+    # TransferQueue sets torch's thread count to tq_thread_count() around every put/get, then
+    # resets it to the count it saw at import. Those calls run on the plane's own I/O thread,
+    # so a caller running with any other count keeps it.
+    caller_threads = max(common.DEFAULT_TORCH_NUM_THREADS, tq_thread_count()) + 1
+    torch.set_num_threads(caller_threads)
+    try:
+        run(plane.put(rows("r", 3)))
+        assert sorted(run(plane.get(["r0", "r2"]))) == ["r0", "r2"]
+        assert torch.get_num_threads() == caller_threads
+    finally:
+        torch.set_num_threads(1)
     # TransferQueue binds its servers to the Ray node's address (loopback only when Ray was
     # started with RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0; see docs/dataplane.md).
     assert plane.bind_address == ray_session.util.get_node_ip_address()
