@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from tandemrl.checkpoint.restore import RestorePlan, resume
 from tandemrl.config.models import MasterConfig
 from tandemrl.controller.build import ControllerParts, build_controller
 from tandemrl.controller.ray_proxy import ActorProxy
@@ -41,6 +42,7 @@ class SingleControllerActor:
         model_path: str,
         trainer_handle: Any,
         engine_handles: list[Any],
+        restore_plan: RestorePlan,
         *,
         value_trainer_handle: Any = None,
     ) -> None:
@@ -50,6 +52,7 @@ class SingleControllerActor:
         self.model_path = model_path
         self.trainer_handle = trainer_handle
         self.engine_handles = list(engine_handles)
+        self.restore_plan = restore_plan
         self.value_trainer_handle = value_trainer_handle  # PPO critic; None on GRPO
         self.controller: SingleController | None = None
         self._run_task: asyncio.Task[Any] | None = None
@@ -72,13 +75,14 @@ class SingleControllerActor:
             if self.value_trainer_handle is None
             else ActorProxy(self.value_trainer_handle),
         )
-        controller = build_controller(self.cfg, parts)
+        controller = build_controller(self.cfg, parts, model_path=self.model_path)
         controller_box.append(controller)
         return controller
 
     async def run(self) -> list[dict[str, float]]:
         self.controller = self._build()
         self._run_task = asyncio.current_task()
+        await resume(self.controller, self.restore_plan)
         return await self.controller.run()
 
     async def progress(self, since: int) -> list[dict[str, float]]:

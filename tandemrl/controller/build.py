@@ -9,9 +9,13 @@ Tests and benchmarks pass fakes; ``tandemrl.controller.setup`` passes Ray worker
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from tandemrl.buffer import ReplayBuffer
+from tandemrl.checkpoint.journal import RunJournal
+from tandemrl.checkpoint.layout import JOURNAL
+from tandemrl.checkpoint.writer import CheckpointWriter
 from tandemrl.config.models import MasterConfig
 from tandemrl.controller.barrier import CheckpointBarrier
 from tandemrl.controller.ppo_step import PPOStepRunner
@@ -86,7 +90,11 @@ def controller_settings(cfg: MasterConfig) -> ControllerSettings:
 
 
 def build_controller(
-    cfg: MasterConfig, parts: ControllerParts, *, step_hooks: list[StepHook] | None = None
+    cfg: MasterConfig,
+    parts: ControllerParts,
+    *,
+    step_hooks: list[StepHook] | None = None,
+    model_path: str | None = None,
 ) -> SingleController:
     algo = cfg.algorithm
     failure = cfg.async_rl.rollout_failure
@@ -126,6 +134,14 @@ def build_controller(
         overlong_filtering=algo.overlong_filtering,
         seed=algo.seed,
     )
+    checkpointer = journal = None
+    if cfg.checkpointing.enabled:
+        checkpointer = CheckpointWriter(
+            cfg,
+            model_path=model_path,
+            authoritative=bool(getattr(sampler, "supports_buffer_checkpoint", False)),
+        )
+        journal = RunJournal(Path(cfg.checkpointing.checkpoint_dir) / JOURNAL)
     return SingleController(
         settings=controller_settings(cfg),
         buffer=buffer,
@@ -146,6 +162,8 @@ def build_controller(
         weight_sync=parts.weight_sync or DirectWeightSync(parts.trainer, pool),
         barrier=barrier,
         step_hooks=step_hooks,
+        checkpointer=checkpointer,
+        journal=journal,
     )
 
 

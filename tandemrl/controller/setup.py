@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandemrl.checkpoint.restore import plan_restore
 from tandemrl.config.models import MasterConfig
 from tandemrl.controller.actor import SingleControllerActor
 from tandemrl.generation import engine_options
@@ -106,6 +107,10 @@ class Launched:
 def launch(cfg: MasterConfig) -> Launched:
     import ray
 
+    # Read-only: decide what to resume before any process starts (a refusal modifies nothing).
+    plan = plan_restore(cfg)
+    log.info("%s", plan.describe())
+
     resources = ray.cluster_resources()
     placement = plan_placement(
         cfg, cluster_cpus=resources.get("CPU", 1.0), cluster_gpus=resources.get("GPU", 0.0)
@@ -156,17 +161,18 @@ def launch(cfg: MasterConfig) -> Launched:
     controller = (
         ray.remote(num_cpus=0, max_concurrency=8)(SingleControllerActor)
         .options(name=None)
-        .remote(cfg, model_path, trainer, engines, value_trainer_handle=value_trainer)
+        .remote(cfg, model_path, trainer, engines, plan, value_trainer_handle=value_trainer)
     )
     # Fail here, not mid-run, when a worker cannot start (bad model folder, no memory).
     ray.get([engine.ping.remote() for engine in engines])
     ray.get(trainer.get_state.remote())
     if value_trainer is not None:
         ray.get(value_trainer.get_state.remote())
+    # Metrics of steps after the resumed one were rolled back with the model: drop them.
     return Launched(
         controller=controller,
         trainer=trainer,
         engines=engines,
-        resume_step=0,
+        resume_step=plan.step + 1 if not plan.fresh else 0,
         value_trainer=value_trainer,
     )

@@ -29,11 +29,14 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandemrl.checkpoint.journal import RunJournal
+from tandemrl.checkpoint.writer import CheckpointWriter
 from tandemrl.controller.barrier import CheckpointBarrier
 from tandemrl.controller.step_metrics import StepAccumulator, TrainedGroup
 from tandemrl.controller.step_runner import StepRunner
 from tandemrl.controller.weight_sync import WeightSynchronizer
 from tandemrl.dataplane.base import DataPlane
+from tandemrl.records import PromptItem
 from tandemrl.rollout.failures import RolloutDropped
 from tandemrl.rollout.generation_pool import GenerationPool
 from tandemrl.rollout.ledger import UnfinishedGroup
@@ -66,7 +69,6 @@ class ControllerState:
     step: int = 0
     trainer_version: int = 0
     consumed_groups: int = 0
-    consumed_group_ids: list[str] = field(default_factory=list)
     dropped_for_step: Counter[int] = field(default_factory=Counter)
 
     def state_dict(self) -> dict[str, Any]:
@@ -105,6 +107,8 @@ class SingleController:
         weight_sync: WeightSynchronizer,
         barrier: CheckpointBarrier,
         step_hooks: list[StepHook] | None = None,
+        checkpointer: CheckpointWriter | None = None,
+        journal: RunJournal | None = None,
     ) -> None:
         self.settings = settings
         self.buffer = buffer
@@ -119,6 +123,13 @@ class SingleController:
         self.barrier = barrier
         self.step_hooks = list(step_hooks or [])
         self.rollout_manager.on_change = self._notify
+        self.checkpointer = checkpointer
+        self.journal = journal
+        if journal is not None:
+            self.rollout_manager.on_commit = self._journal_commit
+        self._last_checkpoint_step: int | None = None
+        # Spare prompts for on_dropped_prompt=replace (saved in checkpoints).
+        self._replacement_reserve: list[PromptItem] = []
         self.state = ControllerState()
         # Groups restored from a checkpoint's ownership ledger, redispatched before new prompts.
         self.recovered_groups: list[UnfinishedGroup] = []
@@ -151,14 +162,23 @@ class SingleController:
         self._acc = StepAccumulator()
         rollout = asyncio.create_task(self._rollout_pump(), name="rollout_pump")
         train = asyncio.create_task(self._train_pump(), name="train_pump")
+        background = [rollout]
+        if (
+            self.checkpointer is not None
+            and self.checkpointer.cfg.rollout_checkpointing.snapshot_attempt_interval_s
+        ):
+            background.append(
+                asyncio.create_task(self.checkpointer.snapshot_loop(self), name="snapshots")
+            )
         try:
-            pending: set[asyncio.Task[None]] = {rollout, train}
+            pending: set[asyncio.Task[None]] = {*background, train}
             while train in pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     task.result()  # re-raises a pump's exception with its original traceback
+            await self._final_checkpoint()
         finally:
-            await self.shutdown(rollout, train)
+            await self.shutdown(*background, train)
         return self.history
 
     async def shutdown(self, *tasks: asyncio.Task[Any]) -> None:
@@ -310,7 +330,7 @@ class SingleController:
             )
         train_metrics = await self.step_runner.finish()
         await self._close_step(claimed)
-        sync_seconds = await self._bump_version_and_sync()
+        sync_seconds = await self._sync_weights()
         await self._finish_step_bookkeeping(train_metrics, sync_seconds)
         return True
 
@@ -319,7 +339,11 @@ class SingleController:
         if evicted:
             async with self.barrier.mutation():
                 await self.data_plane.clear([sid for slot in evicted for sid in slot.sample_ids])
+                for slot in evicted:
+                    self.rollout_manager.committed_items.pop(slot.group_id, None)
             self._acc.evicted_groups += len(evicted)
+            if self.journal is not None:
+                self.journal.record("evicted", groups=[slot.group_id for slot in evicted])
             self._notify()
 
     async def _train_chunk(
@@ -341,24 +365,33 @@ class SingleController:
             self.trained_groups.append((self.state.step, trained))
 
     async def _close_step(self, claimed: list[Any]) -> None:
+        """Consume the step's groups and advance the step and trainer version as one unit.
+
+        Done under the barrier: a snapshot sees either the step open (its groups selectable
+        again after a restore) or closed and counted, never half of it. Rollout permission is
+        closed in the same instant, so nothing is dispatched at the new version before
+        generation holds the new weights.
+        """
         group_ids = [slot.group_id for slot in claimed]
         async with self.barrier.mutation():
             sample_ids = self.buffer.release_claims(group_ids, consumed=True)
             await self.data_plane.clear(sample_ids)
-        self.state.consumed_groups += len(group_ids)
-        self.state.consumed_group_ids.extend(group_ids)
+            for group_id in group_ids:
+                self.rollout_manager.committed_items.pop(group_id, None)
+            self.state.consumed_groups += len(group_ids)
+            self.state.trainer_version += 1
+            self.state.step += 1
+            self._rollout_permission.clear()
+        if self.journal is not None:
+            self.journal.record("trained", step=self.state.step, groups=group_ids)
 
     async def _roll_back(self, claimed: list[Any]) -> None:
         if claimed:
             self.buffer.release_claims([slot.group_id for slot in claimed], consumed=False)
             self._notify()
 
-    async def _bump_version_and_sync(self) -> float:
-        # Bump and close permission with no await in between: nothing may be dispatched at the
-        # new version before generation holds the new weights.
-        self.state.trainer_version += 1
-        self.state.step += 1
-        self._rollout_permission.clear()
+    async def _sync_weights(self) -> float:
+        """Push the new weights to generation (permission was closed by ``_close_step``)."""
         self.waiting_on["train"] = "weight sync"
         try:
             seconds = 0.0
@@ -382,6 +415,36 @@ class SingleController:
                 self._abort_requested.add(group_id)
                 task.cancel()
 
+    async def _final_checkpoint(self) -> None:
+        if self.checkpointer is None or self.state.step == 0:
+            return
+        if self._last_checkpoint_step != self.state.step:
+            await self.checkpointer.save_trainer_checkpoint(self)
+            self._last_checkpoint_step = self.state.step
+
+    async def _maybe_checkpoint(self) -> None:
+        if self.checkpointer is not None and self.checkpointer.due(self.state.step, last=False):
+            await self.checkpointer.save_trainer_checkpoint(self)
+            self._last_checkpoint_step = self.state.step
+
+    def _journal_commit(self, group: UnfinishedGroup, fresh_siblings: list[int]) -> None:
+        assert self.journal is not None
+        self.journal.record("generated", group_id=group.group_id, fresh_siblings=fresh_siblings)
+
+    # ------------------------------------------------------------------ checkpoint support
+
+    def committed_prompts(self) -> list[PromptItem]:
+        """Prompts of the committed, unconsumed groups (in buffer order)."""
+        items = self.rollout_manager.committed_items
+        slots = [*self.buffer.live_groups(), *self.buffer.claimed_groups()]
+        return [items[slot.group_id] for slot in slots if slot.ready]
+
+    def replacement_reserve_items(self) -> list[PromptItem]:
+        return list(self._replacement_reserve)
+
+    def replacement_reserve_restore(self, items: list[PromptItem]) -> None:
+        self._replacement_reserve = list(items)
+
     async def _finish_step_bookkeeping(
         self, train_metrics: dict[str, float], sync_seconds: float
     ) -> None:
@@ -403,6 +466,7 @@ class SingleController:
         self._acc = StepAccumulator()
         self.history.append(row)
         self.last_progress_at = time.monotonic()
+        await self._maybe_checkpoint()
         for hook in self.step_hooks:
             await hook(self, row)
 

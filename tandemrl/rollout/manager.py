@@ -105,6 +105,10 @@ class RolloutManager:
         self.on_change = on_change
         self.generated_siblings = 0  # completions produced by the engines (metrics, chaos proofs)
         self.reused_siblings = 0  # staged completions reused after a failure or restart
+        # Prompts of committed, unconsumed groups (shadow-mode checkpoints regenerate them).
+        self.committed_items: dict[str, PromptItem] = {}
+        # Called after each commit with the group and the siblings generated fresh for it.
+        self.on_commit: Callable[[UnfinishedGroup, list[int]], None] | None = None
 
     # ------------------------------------------------------------------ dispatch
 
@@ -134,6 +138,7 @@ class RolloutManager:
 
     async def generate_and_push(self, group: UnfinishedGroup) -> None:
         """Drive ``group`` to a committed slot; raise RolloutDropped when it is dropped."""
+        reused = set(group.staged)
         try:
             await self._generate_all_siblings(group)
             await self._push_and_commit(group)
@@ -145,6 +150,8 @@ class RolloutManager:
             await self._drop(group)
             raise
         self.budgets.record_commit()
+        if self.on_commit is not None:
+            self.on_commit(group, [i for i in range(self.group_size) if i not in reused])
         self.on_change()
 
     # ------------------------------------------------------------------ generation
@@ -290,6 +297,7 @@ class RolloutManager:
             await self.data_plane.put(rows)
             self.buffer.commit(group.group_id, metas, end_weight=end_weight)
             self.ledger.close(group.group_id)
+            self.committed_items[group.group_id] = group.item
 
     async def drop_aborted(self, group: UnfinishedGroup) -> None:
         """Remove a group whose generation the controller aborted as stale."""

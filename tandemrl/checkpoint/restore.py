@@ -1,0 +1,221 @@
+"""Choose what a restart resumes from (read-only), then re-install it into a controller.
+
+Selection (``plan_restore``) never writes or deletes anything:
+
+- Trainer checkpoints are tried newest first; one whose manifest or files do not verify is
+  skipped (with the reason) in favour of the previous valid one.
+- ``restore_mode: latest``: under the chosen anchor (the newest valid trainer checkpoint, or
+  the bootstrap anchor when no trainer checkpoint exists) the newest committed snapshot whose
+  files verify and whose config fingerprint matches is used for the rollout state; otherwise
+  the trainer checkpoint's own rollout state. Bootstrap state written under a different
+  config is refused, listing each changed dotpath.
+- ``restore_mode: trainer_checkpoint``: the trainer checkpoint bundle only; newer periodic
+  snapshots are ignored. With bootstrap state but no trainer checkpoint it refuses, because a
+  bootstrap snapshot has no model or optimizer state to resume.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tandemrl.checkpoint.fingerprint import (
+    compatibility_identity,
+    diff_identities,
+    fingerprint_digest,
+)
+from tandemrl.checkpoint.layout import (
+    MANIFEST,
+    POLICY_DIR,
+    VALUE_DIR,
+    CheckpointCorrupt,
+    bootstrap_dir,
+    list_snapshot_dirs,
+    list_step_dirs,
+    verify_bundle,
+)
+from tandemrl.checkpoint.rollout_state import apply_rollout_state, read_rollout_state
+from tandemrl.config.models import MasterConfig
+
+log = logging.getLogger(__name__)
+
+
+class RestoreRefused(RuntimeError):
+    """The checkpoint directory holds state this run must not resume or overwrite."""
+
+
+@dataclass
+class Candidate:
+    path: Path
+    kind: str  # trainer | snapshot | bootstrap
+    chosen: bool
+    reason: str
+
+
+@dataclass
+class RestorePlan:
+    checkpoint_dir: Path
+    restore_mode: str
+    trainer_dir: Path | None = None
+    rollout_dir: Path | None = None
+    step: int = 0
+    considered: list[Candidate] = field(default_factory=list)
+
+    @property
+    def fresh(self) -> bool:
+        return self.trainer_dir is None and self.rollout_dir is None
+
+    def describe(self) -> str:
+        if self.fresh:
+            return f"fresh start in {self.checkpoint_dir}"
+        source = (
+            self.rollout_dir if self.rollout_dir != self.trainer_dir else "the trainer checkpoint"
+        )
+        return f"resume after step {self.step} from {self.trainer_dir or 'the initial model'}; rollout state from {source}"
+
+
+def _fingerprint_problem(manifest: dict[str, Any], identity: dict[str, Any]) -> str | None:
+    if manifest.get("fingerprint") == fingerprint_digest(identity):
+        return None
+    changed = diff_identities(manifest.get("identity", {}), identity)
+    return "config changed since it was written: " + (
+        "; ".join(changed) if changed else "fingerprint differs"
+    )
+
+
+def _newest_valid_snapshot(
+    anchor: Path, identity: dict[str, Any], plan: RestorePlan
+) -> Path | None:
+    chosen = None
+    for _, path in reversed(list_snapshot_dirs(anchor)):
+        if chosen is not None:
+            plan.considered.append(
+                Candidate(path, "snapshot", False, "older than the chosen snapshot")
+            )
+            continue
+        try:
+            manifest = verify_bundle(path).manifest
+        except CheckpointCorrupt as exc:
+            plan.considered.append(Candidate(path, "snapshot", False, f"corrupt: {exc}"))
+            continue
+        problem = _fingerprint_problem(manifest, identity)
+        if problem is not None:
+            plan.considered.append(Candidate(path, "snapshot", False, problem))
+            continue
+        if manifest.get("step") != plan.step:
+            plan.considered.append(
+                Candidate(path, "snapshot", False, f"anchored on step {manifest.get('step')}")
+            )
+            continue
+        plan.considered.append(
+            Candidate(path, "snapshot", True, "newest compatible committed snapshot")
+        )
+        chosen = path
+    return chosen
+
+
+def plan_restore(cfg: MasterConfig) -> RestorePlan:
+    checkpoint_dir = Path(cfg.checkpointing.checkpoint_dir)
+    plan = RestorePlan(checkpoint_dir, cfg.rollout_checkpointing.restore_mode)
+    if not cfg.checkpointing.enabled:
+        return plan
+    identity = compatibility_identity(cfg)
+
+    for step, path in reversed(list_step_dirs(checkpoint_dir)):
+        if plan.trainer_dir is not None:
+            plan.considered.append(
+                Candidate(path, "trainer", False, "older than the chosen checkpoint")
+            )
+            continue
+        try:
+            verify_bundle(path)
+        except CheckpointCorrupt as exc:
+            log.warning("skipping damaged trainer checkpoint %s: %s", path, exc)
+            plan.considered.append(Candidate(path, "trainer", False, f"corrupt: {exc}"))
+            continue
+        plan.trainer_dir = path
+        plan.rollout_dir = path
+        plan.step = step
+        plan.considered.append(Candidate(path, "trainer", True, "newest valid trainer checkpoint"))
+
+    bootstrap = bootstrap_dir(checkpoint_dir)
+    if plan.restore_mode == "trainer_checkpoint":
+        if plan.trainer_dir is None and bootstrap.exists():
+            raise RestoreRefused(
+                f"rollout_checkpointing.restore_mode=trainer_checkpoint, but {checkpoint_dir} holds only "
+                f"bootstrap state ({bootstrap}) and no trainer checkpoint: a bootstrap snapshot has no model "
+                "or optimizer state. Use restore_mode=latest to recover it, or choose a new "
+                "checkpointing.checkpoint_dir to start from scratch. Nothing was modified."
+            )
+        return plan
+
+    if plan.trainer_dir is not None:
+        snapshot = _newest_valid_snapshot(plan.trainer_dir, identity, plan)
+        if snapshot is not None:
+            plan.rollout_dir = snapshot
+        return plan
+
+    if (bootstrap / MANIFEST).exists():
+        try:
+            manifest = json.loads((bootstrap / MANIFEST).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise RestoreRefused(
+                f"{bootstrap / MANIFEST}: unreadable bootstrap manifest ({exc})"
+            ) from exc
+        problem = _fingerprint_problem(manifest, identity)
+        if problem is not None:
+            raise RestoreRefused(
+                f"bootstrap state in {bootstrap} cannot be recovered by this config — {problem}. "
+                "Restart with the original config, or choose a new checkpointing.checkpoint_dir. "
+                "Nothing was modified."
+            )
+        plan.considered.append(
+            Candidate(bootstrap, "bootstrap", True, "bootstrap anchor (no trainer checkpoint)")
+        )
+        plan.rollout_dir = _newest_valid_snapshot(bootstrap, identity, plan)
+    return plan
+
+
+async def restore_controller(controller: Any, plan: RestorePlan) -> dict[str, int]:
+    """Load weights/optimizer (policy, critic) and the rollout state chosen by ``plan``."""
+    if plan.fresh:
+        return {}
+    if plan.trainer_dir is not None:
+        await controller.trainer.load_checkpoint(plan.trainer_dir / POLICY_DIR, load_optimizer=True)
+        value_trainer = getattr(controller.step_runner, "value_trainer", None)
+        if value_trainer is not None:
+            await value_trainer.load_checkpoint(plan.trainer_dir / VALUE_DIR, load_optimizer=True)
+    assert plan.rollout_dir is not None
+    state = read_rollout_state(plan.rollout_dir)
+    if state.controller["step"] != plan.step:
+        raise CheckpointCorrupt(
+            f"{plan.rollout_dir}: rollout state is for step {state.controller['step']} but its anchor is step {plan.step}"
+        )
+    summary = await apply_rollout_state(controller, state, plan.rollout_dir)
+    if plan.step > 0:
+        # Generation workers started from the initial model: give them the restored weights.
+        await controller.weight_sync.sync(controller.trainer_version)
+    return summary
+
+
+async def resume(controller: Any, plan: RestorePlan) -> dict[str, int]:
+    """Restore ``plan`` into ``controller`` and open this attempt in the run journal."""
+    summary = await restore_controller(controller, plan)
+    if controller.journal is not None:
+        restored_committed = [slot.group_id for slot in controller.buffer.ready_groups()]
+        restored_staged = [
+            [group.group_id, sibling]
+            for group in controller.recovered_groups
+            for sibling in sorted(group.staged)
+        ]
+        controller.journal.record(
+            "start",
+            resumed_step=plan.step,
+            source=None if plan.fresh else str(plan.rollout_dir),
+            restored_committed=restored_committed,
+            restored_staged=restored_staged,
+        )
+    return summary

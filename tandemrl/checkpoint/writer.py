@@ -1,0 +1,191 @@
+"""Writes trainer checkpoints at step boundaries and periodic rollout snapshots between them.
+
+Trainer checkpoint (``checkpointing.save_period``, and the last step): the policy (and critic)
+weights and optimizer, the controller state, and — with ``save_data_plane`` — the rollout
+state: data-plane rows of committed unconsumed groups, the replay index, the ownership ledger,
+the replacement reserve and the sampler's dispatch position. The rows and the index are taken
+under the checkpoint barrier, so they describe the same groups.
+
+Periodic rollout snapshot (``rollout_checkpointing.snapshot_attempt_interval_s``): the rollout
+state alone, anchored on the trainer checkpoint of the current step. An attempt after step N
+succeeds only when ``step_N`` is durable; before the first step, snapshots are anchored on the
+bootstrap manifest (initial model + config fingerprint). ``keep_latest_k`` snapshots are kept
+per anchor; bootstrap snapshots are removed once a trainer checkpoint is durable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from tandemrl.checkpoint.fingerprint import compatibility_identity, fingerprint_digest
+from tandemrl.checkpoint.layout import (
+    MANIFEST,
+    POLICY_DIR,
+    VALUE_DIR,
+    bootstrap_dir,
+    list_snapshot_dirs,
+    list_step_dirs,
+    sha256_file,
+    snapshot_dir,
+    step_dir,
+    write_manifest,
+)
+from tandemrl.checkpoint.rollout_state import capture_rollout_state, write_rollout_state
+from tandemrl.config.models import MasterConfig
+from tandemrl.dataplane.atomic import atomic_directory, write_json_atomic
+
+log = logging.getLogger(__name__)
+
+
+def model_identity(model_path: str | None) -> dict[str, str]:
+    """sha256 of the initial model's config and weight files (what bootstrap state assumes)."""
+    if model_path is None:
+        return {}
+    root = Path(model_path)
+    files = sorted([*root.glob("*.safetensors"), *root.glob("config.json")])
+    return {path.name: sha256_file(path) for path in files}
+
+
+class CheckpointWriter:
+    def __init__(self, cfg: MasterConfig, *, model_path: str | None, authoritative: bool) -> None:
+        self.cfg = cfg
+        self.checkpoint_dir = Path(cfg.checkpointing.checkpoint_dir)
+        self.model_path = model_path
+        # False for samplers without supports_buffer_checkpoint: shadow mode.
+        self.authoritative = authoritative
+        self.identity = compatibility_identity(cfg)
+        self.fingerprint = fingerprint_digest(self.identity)
+        self.snapshots_written = 0
+        self.snapshots_skipped = 0
+        self._snapshot_lock = asyncio.Lock()
+
+    # ------------------------------------------------------------------ trainer checkpoints
+
+    def due(self, step: int, *, last: bool) -> bool:
+        return self.cfg.checkpointing.enabled and (
+            last or step % self.cfg.checkpointing.save_period == 0
+        )
+
+    async def save_trainer_checkpoint(self, controller: Any) -> Path:
+        step = controller.state.step
+        target = step_dir(self.checkpoint_dir, step)
+        started = time.perf_counter()
+        save_optimizer = self.cfg.checkpointing.save_optimizer
+        async with self._snapshot_lock:
+            with atomic_directory(target) as tmp:
+                await controller.trainer.save_checkpoint(
+                    tmp / POLICY_DIR, save_optimizer=save_optimizer
+                )
+                value_trainer = getattr(controller.step_runner, "value_trainer", None)
+                if value_trainer is not None:
+                    await value_trainer.save_checkpoint(
+                        tmp / VALUE_DIR, save_optimizer=save_optimizer
+                    )
+                await self._write_rollout(controller, tmp)
+                write_manifest(tmp, self._manifest_payload("trainer", controller))
+            self._retain_trainer_checkpoints()
+            self._drop_bootstrap_snapshots()
+        log.info("trainer checkpoint %s written in %.2f s", target, time.perf_counter() - started)
+        return target
+
+    async def _write_rollout(self, controller: Any, directory: Path) -> None:
+        # Without save_data_plane (or in shadow mode) the index is not authoritative: the
+        # prompts of committed groups are kept instead, to be regenerated on restore.
+        authoritative = self.authoritative and self.cfg.checkpointing.save_data_plane
+        async with controller.barrier.capture():
+            state = capture_rollout_state(controller, authoritative=authoritative)
+            await write_rollout_state(directory, state, controller.data_plane)
+
+    def _manifest_payload(self, kind: str, controller: Any) -> dict[str, Any]:
+        return {
+            "kind": kind,
+            "step": controller.state.step,
+            "trainer_version": controller.state.trainer_version,
+            "fingerprint": self.fingerprint,
+            "identity": self.identity,
+            "authoritative": self.authoritative,
+            "created_unix": time.time(),
+        }
+
+    def _retain_trainer_checkpoints(self) -> None:
+        keep = self.cfg.checkpointing.keep_top_k
+        if keep is None:
+            return
+        for _, path in list_step_dirs(self.checkpoint_dir)[:-keep]:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def _drop_bootstrap_snapshots(self) -> None:
+        root = bootstrap_dir(self.checkpoint_dir)
+        if root.exists():
+            shutil.rmtree(root, ignore_errors=True)
+
+    # ------------------------------------------------------------------ rollout snapshots
+
+    def ensure_bootstrap_anchor(self) -> Path:
+        root = bootstrap_dir(self.checkpoint_dir)
+        manifest = root / MANIFEST
+        if not manifest.exists():
+            root.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(
+                manifest,
+                {
+                    "format": 1,
+                    "kind": "bootstrap",
+                    "fingerprint": self.fingerprint,
+                    "identity": self.identity,
+                    "model": model_identity(self.model_path),
+                    "files": {},
+                },
+            )
+        return root
+
+    async def attempt_snapshot(self, controller: Any) -> Path | None:
+        """One periodic snapshot attempt; returns the published folder or None when skipped."""
+        async with self._snapshot_lock:
+            step = controller.state.step
+            if step == 0:
+                anchor = self.ensure_bootstrap_anchor()
+            else:
+                anchor = step_dir(self.checkpoint_dir, step)
+                if not (anchor / MANIFEST).exists():
+                    self.snapshots_skipped += 1  # step_N is not durable yet
+                    return None
+            existing = list_snapshot_dirs(anchor)
+            sequence = existing[-1][0] + 1 if existing else 1
+            target = snapshot_dir(anchor, sequence)
+            with atomic_directory(target) as tmp:
+                async with controller.barrier.capture():
+                    if controller.state.step != step:
+                        self.snapshots_skipped += 1  # a step closed meanwhile: anchor is stale
+                        raise _StaleAnchor
+                    authoritative = self.authoritative and self.cfg.checkpointing.save_data_plane
+                    state = capture_rollout_state(controller, authoritative=authoritative)
+                    await write_rollout_state(tmp, state, controller.data_plane)
+                write_manifest(
+                    tmp, {**self._manifest_payload("snapshot", controller), "sequence": sequence}
+                )
+            self.snapshots_written += 1
+            for _, old in list_snapshot_dirs(anchor)[
+                : -self.cfg.rollout_checkpointing.keep_latest_k
+            ]:
+                shutil.rmtree(old, ignore_errors=True)
+            return target
+
+    async def snapshot_loop(self, controller: Any) -> None:
+        interval = self.cfg.rollout_checkpointing.snapshot_attempt_interval_s
+        assert interval is not None
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.attempt_snapshot(controller)
+            except _StaleAnchor:
+                continue
+
+
+class _StaleAnchor(Exception):
+    """The step advanced while a snapshot was being captured; the attempt is dropped."""
