@@ -46,9 +46,12 @@ class Trainer(Protocol):
         ``step_num_sequences`` is the size of the whole RL step, so that a step split across
         chunks weighs every sequence exactly as the unsplit step would. ``step_num_tokens`` is
         the whole step's valid-token count, sum(token_mask x sample_mask) over every chunk
-        (``tandemrl.training.batch.count_loss_tokens``): the token-mean loss divides by it.
-        None means "this call is the whole step" and is refused on a second call of a step.
-        0 raises ``AllMaskedStepError``.
+        (``tandemrl.training.batch.count_loss_tokens``), when the caller knows it up front:
+        the token-mean loss divides by it, and ``finish_train_step`` checks that the chunks
+        held that many. None (streaming: the step's size is not known yet) defers the
+        normalization: ``finish_train_step`` rescales the accumulated gradient by the token
+        count it saw. Either way the step's gradient equals the unsplit step's. Pass it to
+        every chunk of a step or to none; 0 raises ``AllMaskedStepError``.
         """
 
     async def finish_train_step(self) -> dict[str, float]:

@@ -22,7 +22,9 @@ Normalization (the loss is a sum over the *whole RL step*, which may arrive in c
 - ``token_level_loss`` (token mean): loss = Σ_tokens loss_t / N_tokens, where N_tokens is the
   number of valid tokens (token_mask x sample_mask) of the whole step, passed in as
   ``num_step_tokens``. Summing the losses (and gradients) of any chunking of the step gives
-  exactly the loss of the unsplit step. Dropped tokens (icepop / seq-mask-tis) stay in
+  exactly the loss of the unsplit step. (A worker that does not know N yet passes a
+  provisional constant and rescales the summed gradient once N is known: see
+  ``worker_common.StepTracker``.) Dropped tokens (icepop / seq-mask-tis) stay in
   N_tokens: the correction removes their gradient, it does not re-weight the others.
 - sequence mean: each sequence's token mean, summed and divided by ``num_step_sequences``
   (the number of sequences of the whole step; a sequence with sample_mask 0 adds 0).

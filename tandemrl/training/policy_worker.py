@@ -10,9 +10,12 @@ One RL step::
     train_microbatches(chunk, step_num_sequences=S, step_num_tokens=N)   once per chunk
     finish_train_step()            clip, exactly one optimizer step, metrics
 
-Gradients of all chunks accumulate; the token-mean loss of every micro-batch is its token sum
-divided by N, the whole step's valid-token count, so any chunking of a step yields the
-gradient of the unsplit step (see ``tandemrl.training.losses``).
+Gradients of all chunks accumulate into one optimizer step. Token-mean normalization over the
+whole step (see ``tandemrl.training.losses``): with ``step_num_tokens=N`` every micro-batch
+loss is its token sum / N; without it (streaming, N unknown until the last chunk) the sums are
+divided by ``step_num_sequences`` and ``finish_train_step`` rescales the accumulated gradient
+by step_num_sequences / N before clipping. Both give the gradient of the unsplit step.
+A step whose chunks hold no valid token raises ``AllMaskedStepError`` and takes no step.
 
 Logprobs: entry t of the returned [B, L] tensor is log p(input_ids[t] | input_ids[:t]), 0 at
 t = 0 and on padding. They are computed from ``logits / policy.generation.temperature`` when
@@ -64,6 +67,7 @@ from tandemrl.training.worker_common import (
     load_optimizer_state,
     read_worker_state,
     save_optimizer_state,
+    scale_gradients,
     write_worker_state,
 )
 
@@ -229,7 +233,6 @@ class PolicyWorker:
         normalizer = self._step.declare(
             step_num_sequences=step_num_sequences,
             step_num_tokens=step_num_tokens,
-            chunk_tokens=count_loss_tokens(batch),
         )
         self.model.train()
         chunk = StepTracker()
@@ -251,13 +254,19 @@ class PolicyWorker:
             loss.backward()
             chunk.add(metrics)
             self._step.add(metrics)
-        return chunk.summary()
+        # Report the chunk's own token-mean loss (its share of the step is not final while
+        # the step's token count is still unknown).
+        token_level = self.loss_cfg.token_level_loss
+        scale = normalizer / chunk.valid_tokens if token_level and chunk.valid_tokens else 1.0
+        return chunk.summary(scale)
 
     def _finish_train_step(self) -> dict[str, float]:
         try:
             self._step.check_finish()
             self._offload.reload()
             lr = float(self.scheduler.get_last_lr()[0])
+            scale = self._step.gradient_scale(token_level=self.loss_cfg.token_level_loss)
+            scale_gradients(self.model.parameters(), scale)
             grad_norm = grad_norm_and_clip(self.model.parameters(), self.cfg.max_grad_norm)
             self.optimizer.step()
             self.scheduler.step()
@@ -267,7 +276,7 @@ class PolicyWorker:
             raise
         self.optimizer.zero_grad(set_to_none=True)
         self.optimizer_steps += 1
-        metrics = self._step.summary()
+        metrics = self._step.summary(scale)
         self._step.active = False
         metrics.update(
             {"grad_norm": grad_norm, "lr": lr, "optimizer_steps": float(self.optimizer_steps)}

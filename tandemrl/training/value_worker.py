@@ -49,6 +49,7 @@ from tandemrl.training.worker_common import (
     load_optimizer_state,
     read_worker_state,
     save_optimizer_state,
+    scale_gradients,
     write_worker_state,
 )
 
@@ -153,7 +154,6 @@ class ValueWorker:
         normalizer = self._step.declare(
             step_num_sequences=step_num_sequences,
             step_num_tokens=step_num_tokens,
-            chunk_tokens=count_loss_tokens(batch),
         )
         self.backbone.train()
         chunk = StepTracker()
@@ -167,12 +167,16 @@ class ValueWorker:
             loss.backward()
             chunk.add(metrics)
             self._step.add(metrics)
-        return chunk.summary()
+        # Report the chunk's own token-mean loss (its share of the step is not final while
+        # the step's token count is still unknown).
+        return chunk.summary(normalizer / chunk.valid_tokens if chunk.valid_tokens else 1.0)
 
     def _finish_train_step(self) -> dict[str, float]:
         try:
             self._step.check_finish()
             lr = float(self.scheduler.get_last_lr()[0])
+            scale = self._step.gradient_scale(token_level=True)
+            scale_gradients(self._parameters(), scale)
             grad_norm = grad_norm_and_clip(self._parameters(), self.cfg.max_grad_norm)
             self.optimizer.step()
             self.scheduler.step()
@@ -182,7 +186,7 @@ class ValueWorker:
             raise
         self.optimizer.zero_grad(set_to_none=True)
         self.optimizer_steps += 1
-        metrics = self._step.summary()
+        metrics = self._step.summary(scale)
         self._step.active = False
         metrics.update(
             {"grad_norm": grad_norm, "lr": lr, "optimizer_steps": float(self.optimizer_steps)}

@@ -152,12 +152,21 @@ class OptimizerOffload:
 
 
 class StepTracker:
-    """Bookkeeping of one split RL step: begin → chunks → finish.
+    """Bookkeeping of one split RL step: begin -> chunks -> finish.
 
-    Aggregates the per-micro-batch loss metrics (token-weighted means, maxima) and the
-    step's valid-token count, and checks the declared ``step_num_tokens`` against the
-    tokens the chunks actually held: a mismatch means the loss was normalized by the wrong
-    count, which ``finish`` refuses.
+    Token-mean normalization of a step that arrives in chunks, two ways:
+
+    - ``step_num_tokens`` given (the caller knows the whole step's valid-token count N up
+      front): every micro-batch loss is its token sum / N, gradients accumulate to exactly
+      the unsplit step's; ``finish`` checks that the chunks really held N tokens.
+    - ``step_num_tokens`` None (streaming: chunks are trained as they arrive and N is not
+      known yet): every micro-batch loss is its token sum / ``step_num_sequences`` (a
+      provisional constant shared by all chunks), and ``finish`` multiplies the accumulated
+      gradient by step_num_sequences / N once N is known, before clipping. Gradients are
+      linear in the loss, so the result is the same token mean.
+
+    Sequence-mean losses always divide by ``step_num_sequences`` and need no correction.
+    Also aggregates the per-micro-batch metrics (token-weighted means, maxima, sums).
     """
 
     MAX_KEYS = ("is_weight_max",)
@@ -172,6 +181,7 @@ class StepTracker:
         self.valid_tokens = 0
         self.declared_tokens: int | None = None
         self.declared_sequences: int | None = None
+        self.deferred: bool | None = None
         self._sums: dict[str, float] = {}
         self._weights: dict[str, float] = {}
 
@@ -183,26 +193,15 @@ class StepTracker:
         if not self.active:
             raise TrainStepError(f"{what} called outside a train step: call begin_train_step first")
 
-    def declare(
-        self,
-        *,
-        step_num_sequences: int,
-        step_num_tokens: int | None,
-        chunk_tokens: int,
-    ) -> int:
+    def declare(self, *, step_num_sequences: int, step_num_tokens: int | None) -> int:
         """Record one chunk's declared step sizes; returns the token normalizer to use."""
         self.require_active("train_microbatches")
         if step_num_sequences <= 0:
             raise TrainStepError(f"step_num_sequences must be positive, got {step_num_sequences}")
-        if step_num_tokens is None:
-            if self.chunks > 0:
-                raise TrainStepError(
-                    "train_microbatches was called more than once in this step without "
-                    "step_num_tokens; pass the whole step's sum(token_mask x sample_mask) "
-                    "(tandemrl.training.batch.count_loss_tokens) so chunks weigh like one step"
-                )
-            step_num_tokens = chunk_tokens
-        if step_num_tokens <= 0:
+        deferred = step_num_tokens is None
+        if self.deferred is not None and self.deferred != deferred:
+            raise TrainStepError("pass step_num_tokens to every chunk of a step or to none of them")
+        if step_num_tokens is not None and step_num_tokens <= 0:
             raise AllMaskedStepError(
                 "every completion of this RL step is masked out (step_num_tokens is 0): "
                 "there is nothing to train on"
@@ -216,10 +215,11 @@ class StepTracker:
                     f"{name} changed within one step ({previous} then {value}); every chunk "
                     "of a step must pass the whole step's count"
                 )
+        self.deferred = deferred
         self.declared_tokens = step_num_tokens
         self.declared_sequences = step_num_sequences
         self.chunks += 1
-        return step_num_tokens
+        return step_num_sequences if step_num_tokens is None else step_num_tokens
 
     def add(self, metrics: dict[str, float]) -> None:
         tokens = metrics.get("num_tokens", 0.0)
@@ -233,12 +233,21 @@ class StepTracker:
                 self._sums[key] = self._sums.get(key, 0.0) + value * tokens
                 self._weights[key] = self._weights.get(key, 0.0) + tokens
 
-    def summary(self) -> dict[str, float]:
+    def gradient_scale(self, token_level: bool) -> float:
+        """Factor ``finish`` applies to the accumulated gradient (and summed loss metrics)."""
+        if not token_level or not self.deferred:
+            return 1.0
+        assert self.declared_sequences is not None
+        return self.declared_sequences / self.valid_tokens
+
+    def summary(self, scale: float = 1.0) -> dict[str, float]:
         out: dict[str, float] = {}
         for key, value in self._sums.items():
             if key in self._weights:
                 weight = self._weights[key]
                 out[key] = value / weight if weight > 0 else 0.0
+            elif key in ("loss", "value_loss"):
+                out[key] = value * scale
             else:
                 out[key] = value
         out["num_chunks"] = float(self.chunks)
@@ -257,6 +266,14 @@ class StepTracker:
                 f"was {self.declared_tokens}: the loss was normalized by the wrong count "
                 "(a chunk is missing, or the count ignored sample_mask)"
             )
+
+
+def scale_gradients(params: Iterable[torch.nn.Parameter], scale: float) -> None:
+    if scale == 1.0:
+        return
+    for param in params:
+        if param.grad is not None:
+            param.grad.mul_(scale)
 
 
 def grad_norm_and_clip(params: Iterable[torch.nn.Parameter], max_grad_norm: float | None) -> float:

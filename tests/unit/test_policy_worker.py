@@ -81,7 +81,7 @@ def test_chunked_step_matches_one_big_step_and_steps_once(model_dir: Path) -> No
 
     async def run() -> tuple[dict, dict]:
         await whole.begin_train_step()
-        await whole.train_microbatches(batch, step_num_sequences=6)
+        await whole.train_microbatches(batch, step_num_sequences=6, step_num_tokens=step_tokens)
         await chunked.begin_train_step()
         first = {k: v[:4] for k, v in batch.items()}
         second = {k: v[4:] for k, v in batch.items()}
@@ -104,6 +104,34 @@ def test_chunked_step_matches_one_big_step_and_steps_once(model_dir: Path) -> No
     assert metrics_whole["ratio_mean"] == pytest.approx(1.0, abs=1e-6)
     state = chunked.optimizer.state[next(iter(chunked.model.parameters()))]
     assert int(state["step"].item()) == 1
+
+
+def test_streamed_chunks_without_token_count_match_one_big_step(model_dir: Path) -> None:
+    """Chunks trained before the step's token count is known: finish rescales the gradient."""
+    whole = make_worker(model_dir, max_grad_norm=None)
+    streamed = make_worker(model_dir, max_grad_norm=None)
+    batch = make_batch(whole)
+
+    async def run() -> tuple[dict, dict]:
+        await whole.begin_train_step()
+        await whole.train_microbatches(batch, step_num_sequences=6)
+        await streamed.begin_train_step()
+        for rows in (slice(0, 1), slice(1, 6)):
+            part = {k: v[rows] for k, v in batch.items()}
+            await streamed.train_microbatches(part, step_num_sequences=6)
+        return await whole.finish_train_step(), await streamed.finish_train_step()
+
+    metrics_whole, metrics_streamed = asyncio.run(run())
+    assert metrics_streamed["grad_norm"] == pytest.approx(metrics_whole["grad_norm"], rel=1e-5)
+    assert metrics_streamed["loss"] == pytest.approx(metrics_whole["loss"], abs=1e-6)
+    assert metrics_streamed["num_tokens"] == metrics_whole["num_tokens"]
+    torch.testing.assert_close(
+        asyncio.run(streamed.get_logprobs(batch)),
+        asyncio.run(whole.get_logprobs(batch)),
+        atol=1e-5,
+        rtol=0,
+    )
+    assert streamed.optimizer_steps == 1
 
 
 def test_training_raises_logprob_of_rewarded_tokens(model_dir: Path) -> None:
@@ -244,8 +272,13 @@ def test_all_masked_step_raises_and_does_not_step(model_dir: Path) -> None:
     async def run() -> None:
         await worker.begin_train_step()
         with pytest.raises(AllMaskedStepError):
-            await worker.train_microbatches(batch, step_num_sequences=6)
+            await worker.train_microbatches(batch, step_num_sequences=6, step_num_tokens=0)
         with pytest.raises(AllMaskedStepError):
+            await worker.finish_train_step()
+        # Streaming (no token count up front): the empty step is refused at finish.
+        await worker.begin_train_step()
+        await worker.train_microbatches(batch, step_num_sequences=6)
+        with pytest.raises(AllMaskedStepError, match="refusing"):
             await worker.finish_train_step()
 
     asyncio.run(run())
@@ -262,8 +295,10 @@ def test_split_api_misuse_is_refused(model_dir: Path) -> None:
             await worker.train_microbatches(batch, step_num_sequences=6)
         await worker.begin_train_step()
         await worker.train_microbatches(batch, step_num_sequences=6)
-        with pytest.raises(TrainStepError, match="step_num_tokens"):
-            await worker.train_microbatches(batch, step_num_sequences=6)
+        with pytest.raises(TrainStepError, match="or to none"):
+            await worker.train_microbatches(batch, step_num_sequences=6, step_num_tokens=tokens)
+        with pytest.raises(TrainStepError, match="step_num_sequences changed"):
+            await worker.train_microbatches(batch, step_num_sequences=7)
         await worker.finish_train_step()
         # The declared count must match what the chunks held.
         await worker.begin_train_step()

@@ -117,7 +117,7 @@ def test_chunked_step_matches_whole_step(model_dir: Path) -> None:
 
     async def run() -> None:
         await whole.begin_train_step()
-        await whole.train_microbatches(batch, step_num_sequences=6)
+        await whole.train_microbatches(batch, step_num_sequences=6, step_num_tokens=tokens)
         await chunked.begin_train_step()
         for rows in (slice(0, 2), slice(2, 6)):
             part = {k: v[rows] for k, v in batch.items()}
@@ -200,3 +200,28 @@ def test_value_worker_on_cuda(model_dir: Path) -> None:
 
     metrics = asyncio.run(run())
     assert metrics["optimizer_steps"] == 1.0 and metrics["grad_norm"] > 0
+
+
+def test_streamed_chunks_without_token_count_match_whole_step(model_dir: Path) -> None:
+    whole, streamed = make_worker(model_dir), make_worker(model_dir)
+    batch = make_batch(whole)
+    batch["returns"] = batch["returns"] + 0.5 * batch["token_mask"]
+
+    async def run() -> tuple[dict, dict]:
+        await whole.begin_train_step()
+        await whole.train_microbatches(batch, step_num_sequences=6)
+        await streamed.begin_train_step()
+        for rows in (slice(0, 4), slice(4, 6)):
+            part = {k: v[rows] for k, v in batch.items()}
+            await streamed.train_microbatches(part, step_num_sequences=6)
+        return await whole.finish_train_step(), await streamed.finish_train_step()
+
+    metrics_whole, metrics_streamed = asyncio.run(run())
+    assert metrics_streamed["grad_norm"] == pytest.approx(metrics_whole["grad_norm"], rel=1e-5)
+    assert metrics_streamed["value_loss"] == pytest.approx(metrics_whole["value_loss"], rel=1e-6)
+    torch.testing.assert_close(
+        asyncio.run(streamed.get_values(batch)),
+        asyncio.run(whole.get_values(batch)),
+        atol=1e-5,
+        rtol=0,
+    )
