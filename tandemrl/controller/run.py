@@ -29,6 +29,9 @@ def init_ray(cfg: MasterConfig) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if ray.is_initialized():
         return
+    if cfg.cluster.address is None:
+        # Embedded single-machine Ray: keep every socket (TransferQueue's included) on loopback.
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     if cfg.cluster.address is not None:
         ray.init(address=cfg.cluster.address, namespace=cfg.cluster.namespace, log_to_driver=True)
         return
