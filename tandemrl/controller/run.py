@@ -29,9 +29,7 @@ def init_ray(cfg: MasterConfig) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if ray.is_initialized():
         return
-    if cfg.cluster.address is None:
-        # Embedded single-machine Ray: keep every socket (TransferQueue's included) on loopback.
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
     if cfg.cluster.address is not None:
         ray.init(address=cfg.cluster.address, namespace=cfg.cluster.namespace, log_to_driver=True)
         return
@@ -48,6 +46,10 @@ def init_ray(cfg: MasterConfig) -> None:
 
 def run_training(cfg: MasterConfig) -> int:
     """Train until max_num_steps or the data runs out; return a process exit code."""
+    if cfg.cluster.address is None:
+        # Embedded single-machine Ray: keep every socket (TransferQueue's included) on loopback.
+        # Ray reads this when it is first imported, hence before the import below.
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
 
     from tandemrl.controller.setup import launch
