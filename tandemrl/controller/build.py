@@ -86,6 +86,7 @@ def controller_settings(cfg: MasterConfig) -> ControllerSettings:
         colocated=cfg.policy.generation.colocated.enabled,
         on_dropped_prompt=failure.on_dropped_prompt,
         min_step_batch_fraction=failure.min_step_batch_fraction,
+        replacement_reserve_size=failure.replacement_reserve_size,
     )
 
 
@@ -164,6 +165,7 @@ def build_controller(
         step_hooks=step_hooks,
         checkpointer=checkpointer,
         journal=journal,
+        watchdog_cfg=cfg.async_rl.stall_watchdog,
     )
 
 

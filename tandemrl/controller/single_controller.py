@@ -31,9 +31,11 @@ from typing import Any
 
 from tandemrl.checkpoint.journal import RunJournal
 from tandemrl.checkpoint.writer import CheckpointWriter
+from tandemrl.config.models import StallWatchdogConfig
 from tandemrl.controller.barrier import CheckpointBarrier
 from tandemrl.controller.step_metrics import StepAccumulator, TrainedGroup
 from tandemrl.controller.step_runner import StepRunner
+from tandemrl.controller.watchdog import stall_watchdog
 from tandemrl.controller.weight_sync import WeightSynchronizer
 from tandemrl.dataplane.base import DataPlane
 from tandemrl.records import PromptItem
@@ -60,6 +62,7 @@ class ControllerSettings:
     colocated: bool = False
     on_dropped_prompt: str = "shrink"
     min_step_batch_fraction: float = 0.5
+    replacement_reserve_size: int = 0
 
 
 @dataclass
@@ -109,6 +112,7 @@ class SingleController:
         step_hooks: list[StepHook] | None = None,
         checkpointer: CheckpointWriter | None = None,
         journal: RunJournal | None = None,
+        watchdog_cfg: StallWatchdogConfig | None = None,
     ) -> None:
         self.settings = settings
         self.buffer = buffer
@@ -124,6 +128,9 @@ class SingleController:
         self.step_hooks = list(step_hooks or [])
         self.rollout_manager.on_change = self._notify
         self.checkpointer = checkpointer
+        self.watchdog_cfg = watchdog_cfg
+        self.stall_warnings = 0
+        self.inflight_started_at: dict[str, float] = {}
         self.journal = journal
         if journal is not None:
             self.rollout_manager.on_commit = self._journal_commit
@@ -163,6 +170,10 @@ class SingleController:
         rollout = asyncio.create_task(self._rollout_pump(), name="rollout_pump")
         train = asyncio.create_task(self._train_pump(), name="train_pump")
         background = [rollout]
+        if self.watchdog_cfg is not None and self.watchdog_cfg.enabled:
+            background.append(
+                asyncio.create_task(stall_watchdog(self, self.watchdog_cfg), name="watchdog")
+            )
         if (
             self.checkpointer is not None
             and self.checkpointer.cfg.rollout_checkpointing.snapshot_attempt_interval_s
@@ -204,7 +215,8 @@ class SingleController:
             self._launch(group)
 
         while not self._stopping:
-            if self.dataloader.peek() is None:
+            self._fill_replacement_reserve()
+            if self._peek_prompt() is None:
                 break
             await self._wait_for_room()
             self.waiting_on["rollout"] = "sampler.admit (staleness gate)"
@@ -212,7 +224,7 @@ class SingleController:
             target_step = await self.sampler.admit(trainer_version_fn=lambda: self.trainer_version)
             await self._wait_for_permission()
             self._acc.rollout_blocked_s += time.monotonic() - blocked_from
-            item = self.dataloader.next_item()
+            item = self._take_prompt()
             if item is None:
                 break
             group = self.rollout_manager.reserve(
@@ -223,6 +235,31 @@ class SingleController:
         self._rollout_done = True
         self.waiting_on["rollout"] = "data exhausted" if not self._stopping else "stopped"
         self._notify()
+
+    # The replacement reserve (on_dropped_prompt: replace) holds spare prompts drawn ahead from
+    # the dataloader; they are checkpointed with it. When the data runs out, the spares are
+    # dispatched like ordinary prompts, so none is left untrained.
+
+    def _fill_replacement_reserve(self) -> None:
+        if self.settings.on_dropped_prompt != "replace":
+            return
+        while len(self._replacement_reserve) < self.settings.replacement_reserve_size:
+            item = self.dataloader.next_item()
+            if item is None:
+                return
+            self._replacement_reserve.append(item)
+
+    def _peek_prompt(self) -> PromptItem | None:
+        item = self.dataloader.peek()
+        if item is None and self._replacement_reserve:
+            return self._replacement_reserve[0]
+        return item
+
+    def _take_prompt(self) -> PromptItem | None:
+        item = self.dataloader.next_item()
+        if item is None and self._replacement_reserve:
+            return self._replacement_reserve.pop(0)
+        return item
 
     async def _wait_for_room(self) -> None:
         blocked_from = time.monotonic()
@@ -245,14 +282,15 @@ class SingleController:
     def _launch(self, group: UnfinishedGroup) -> None:
         task = asyncio.create_task(self._run_group(group), name=f"group:{group.group_id}")
         self._inflight[group.group_id] = task
+        self.inflight_started_at[group.group_id] = time.monotonic()
 
     async def _run_group(self, group: UnfinishedGroup) -> None:
         try:
             await self.rollout_manager.generate_and_push(group)
             self.last_progress_at = time.monotonic()
-        except RolloutDropped:
+        except RolloutDropped as dropped:
             self._acc.dropped_prompts += 1
-            self._after_drop(group)
+            self._after_drop(group, dropped.slot)
         except GroupAborted:
             self._acc.aborted_groups += 1
         except asyncio.CancelledError:
@@ -263,11 +301,15 @@ class SingleController:
                 raise
         finally:
             self._inflight.pop(group.group_id, None)
+            self.inflight_started_at.pop(group.group_id, None)
             self._abort_requested.discard(group.group_id)
             self._notify()
 
-    def _after_drop(self, group: UnfinishedGroup) -> None:
-        """Shrink: the group's step trains short, never below the configured fraction."""
+    def _after_drop(self, group: UnfinishedGroup, slot: Any) -> None:
+        """A dropped group: replace it from the reserve, or let its step train short."""
+        if self.settings.on_dropped_prompt == "replace" and self._replacement_reserve:
+            self._replace_dropped(slot)
+            return
         step = group.target_step if group.target_step is not None else self.trainer_version
         self.state.dropped_for_step[step] += 1
         floor = math.ceil(
@@ -279,6 +321,31 @@ class SingleController:
                 f"{self._groups_for_step(step)} < ceil(num_prompts_per_step * "
                 f"async_rl.rollout_failure.min_step_batch_fraction) = {floor}"
             )
+
+    def _replace_dropped(self, slot: Any) -> None:
+        """Fill the dropped group's place: move a ready group of a later step forward when one
+        exists (the step trains on time), and dispatch a spare prompt for the place it left."""
+        self.sampler.on_group_removed(slot)
+        hole = slot.target_step
+        if hole is not None:
+            later = [
+                s
+                for s in self.buffer.ready_groups()
+                if s.target_step is not None and s.target_step > hole
+            ]
+            if later:
+                donor = min(later, key=lambda s: (s.target_step, s.dispatch_index))
+                donor_step = donor.target_step
+                self.buffer.promote_ready_group(donor.group_id, hole)
+                self.sampler.on_group_promoted(from_step=donor_step, to_step=hole)
+                hole = donor_step
+        target_step = self.sampler.admit_replacement(hole)
+        spare = self._replacement_reserve.pop(0)
+        group = self.rollout_manager.reserve(
+            spare, start_weight=self.trainer_version, target_step=target_step
+        )
+        self._launch(group)
+        self._acc.replaced_prompts += 1
 
     def _groups_for_step(self, step: int) -> int:
         return self.settings.num_prompts_per_step - self.state.dropped_for_step.get(step, 0)

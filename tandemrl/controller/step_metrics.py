@@ -30,6 +30,7 @@ class StepAccumulator:
     evicted_groups: int = 0
     aborted_groups: int = 0
     dropped_prompts: int = 0
+    replaced_prompts: int = 0
     groups: list[TrainedGroup] = field(default_factory=list)
 
     def close_step(
@@ -60,6 +61,7 @@ class StepAccumulator:
             "evicted_groups": self.evicted_groups,
             "aborted_groups": self.aborted_groups,
             "dropped_prompts": self.dropped_prompts,
+            "replaced_prompts": self.replaced_prompts,
         }
         row.update(extra)
         return row

@@ -41,6 +41,7 @@ class RolloutDropped(Exception):
         )
         self.group_id = group_id
         self.record = record
+        self.slot = None  # the removed buffer slot, set once the group is dropped
 
 
 class FailureBudgetExceeded(RuntimeError):

@@ -119,6 +119,15 @@ class GenerationPool:
                 )
             remaining = timeout - awake_elapsed
 
+    async def abort(self, request_ids: list[str]) -> None:
+        """Abort requests on every live engine (ids unknown to an engine are ignored there)."""
+        await asyncio.gather(*(engine.abort(request_ids) for engine in self.engines))
+
+    async def frozen_time(self) -> float:
+        """Seconds the engines stood down so far (the longest of them; they sleep together)."""
+        times = await asyncio.gather(*(engine.frozen_time() for engine in self.engines))
+        return max(times, default=0.0)
+
     async def update_weights(self, version: int, weights: Any) -> None:
         await asyncio.gather(*(engine.update_weights(version, weights) for engine in self.engines))
 

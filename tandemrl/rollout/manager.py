@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -109,6 +110,8 @@ class RolloutManager:
         self.committed_items: dict[str, PromptItem] = {}
         # Called after each commit with the group and the siblings generated fresh for it.
         self.on_commit: Callable[[UnfinishedGroup, list[int]], None] | None = None
+        # Request ids of each group's generation call in flight (to abort them on the engine).
+        self.active_requests: dict[str, list[str]] = {}
 
     # ------------------------------------------------------------------ dispatch
 
@@ -143,7 +146,7 @@ class RolloutManager:
             await self._generate_all_siblings(group)
             await self._push_and_commit(group)
         except RolloutDropped as dropped:
-            await self._drop(group)
+            dropped.slot = await self._drop(group)
             self.budgets.record_drop(dropped.record)
             raise
         except GroupAborted:
@@ -180,8 +183,11 @@ class RolloutManager:
             pending = [i for i in range(self.group_size) if i not in group.staged]
             attempt += 1
             requests = [self._request(group, i, attempt, prompt_ids) for i in pending]
+            self.active_requests[group.group_id] = [r.request_id for r in requests]
             try:
-                results = await self.generation.generate(requests)
+                results = await self._generate_within_rollout_deadline(
+                    group, requests, attempt_started=time.monotonic()
+                )
             except NoGenerationWorkers:
                 raise
             except Exception as exc:
@@ -195,6 +201,7 @@ class RolloutManager:
                 if group.granularity == "prompt_group":
                     group.discard_staged()
                 continue
+            self.active_requests.pop(group.group_id, None)
             self.generated_siblings += len(results)
             failed_any = False
             for sibling, result in zip(pending, results, strict=True):
@@ -213,6 +220,31 @@ class RolloutManager:
                 group.staged[sibling] = StagedSibling(result=result, env_result=env_result)
             if failed_any and group.granularity == "prompt_group":
                 group.discard_staged()
+
+    async def _generate_within_rollout_deadline(
+        self, group: UnfinishedGroup, requests: list[GenerationRequest], *, attempt_started: float
+    ) -> list[GenerationResult]:
+        """One generation call, bounded by rollout_timeout_s of awake time (None: unbounded)."""
+        timeout = self.failure_cfg.rollout_timeout_s
+        if timeout is None:
+            return await self.generation.generate(requests)
+        call = asyncio.ensure_future(self.generation.generate(requests))
+        frozen_at_start = await self.generation.frozen_time()
+        remaining = timeout
+        while True:
+            done, _ = await asyncio.wait({call}, timeout=remaining)
+            if done:
+                return call.result()
+            frozen = await self.generation.frozen_time() - frozen_at_start
+            awake_elapsed = time.monotonic() - attempt_started - frozen
+            if awake_elapsed >= timeout:
+                call.cancel()
+                await self.generation.abort([r.request_id for r in requests])
+                raise TimeoutError(
+                    f"rollout of prompt group {group.group_id} exceeded "
+                    f"async_rl.rollout_failure.rollout_timeout_s={timeout} (awake time)"
+                )
+            remaining = timeout - awake_elapsed
 
     def _score(self, group: UnfinishedGroup, result: GenerationResult):
         completion = list(result.token_ids)
@@ -301,11 +333,15 @@ class RolloutManager:
 
     async def drop_aborted(self, group: UnfinishedGroup) -> None:
         """Remove a group whose generation the controller aborted as stale."""
+        if self.active_requests.get(group.group_id):
+            await self.generation.abort(self.active_requests[group.group_id])
         await self._drop(group)
 
-    async def _drop(self, group: UnfinishedGroup) -> None:
+    async def _drop(self, group: UnfinishedGroup):
         async with self.barrier.mutation():
             slot = self.buffer.remove(group.group_id)
             await self.data_plane.clear(slot.sample_ids)
             self.ledger.close(group.group_id)
+            self.active_requests.pop(group.group_id, None)
         self.on_change()
+        return slot

@@ -1,0 +1,58 @@
+"""The stall watchdog: notices a controller that stops making progress and says why.
+
+Progress is a committed group or a finished train step. When neither happened for
+``async_rl.stall_watchdog.timeout_s``, the watchdog reports what each pump is waiting on (the
+pumps keep ``waiting_on`` current), the oldest in-flight group and the buffer occupancy; with
+``action: warn`` it logs that once per timeout period and lets the run go on, with
+``action: abort`` it ends the run with ``StallDetected`` carrying the same report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from tandemrl.config.models import StallWatchdogConfig
+
+log = logging.getLogger(__name__)
+
+# Checks per timeout period: a stall is reported at most timeout_s / CHECKS_PER_TIMEOUT late.
+CHECKS_PER_TIMEOUT = 4
+
+
+class StallDetected(RuntimeError):
+    """async_rl.stall_watchdog (action: abort) found no progress for timeout_s."""
+
+
+def stall_report(controller: Any, idle_s: float) -> str:
+    now = time.monotonic()
+    oldest = min(controller.inflight_started_at.values(), default=None)
+    oldest_text = f"oldest started {now - oldest:.1f} s ago" if oldest is not None else "none"
+    return (
+        f"no progress for {idle_s:.1f} s (async_rl.stall_watchdog.timeout_s): "
+        f"rollout pump waiting on [{controller.waiting_on['rollout']}]; "
+        f"train pump waiting on [{controller.waiting_on['train']}]; "
+        f"in-flight groups {controller.inflight_count} ({oldest_text}); "
+        f"buffer {controller.buffer.num_ready} ready / {controller.buffer.num_reserved} reserved; "
+        f"trainer version {controller.trainer_version}; "
+        f"generation workers alive {controller.generation.num_alive}"
+    )
+
+
+async def stall_watchdog(controller: Any, cfg: StallWatchdogConfig) -> None:
+    period = cfg.timeout_s / CHECKS_PER_TIMEOUT
+    last_warned = 0.0
+    while True:
+        await asyncio.sleep(period)
+        idle = time.monotonic() - controller.last_progress_at
+        if idle < cfg.timeout_s:
+            continue
+        report = stall_report(controller, idle)
+        if cfg.action == "abort":
+            raise StallDetected(report)
+        if time.monotonic() - last_warned >= cfg.timeout_s:
+            log.warning("%s", report)
+            controller.stall_warnings += 1
+            last_warned = time.monotonic()
