@@ -58,6 +58,15 @@ def _build_parser() -> argparse.ArgumentParser:
         "inspect", help="show what a checkpoint holds and what a restart would resume"
     )
     inspect.add_argument("path", help="checkpoint directory")
+    inspect.add_argument(
+        "--config",
+        default=None,
+        help="the run's YAML config: its restore_mode, and a fingerprint check of each bundle",
+    )
+    inspect.add_argument("--json", action="store_true", help="print the result as JSON")
+    inspect.add_argument(
+        "overrides", nargs="*", metavar="a.b.c=value", help="override config values (with --config)"
+    )
     inspect.set_defaults(handler=_inspect)
     return parser
 
@@ -112,12 +121,19 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    if args.config is None and args.overrides:
+        print("tandemrl inspect: config overrides need --config", file=sys.stderr)
+        raise SystemExit(EXIT_INVALID)
     inspect_command = _import_part(
         "tandemrl.checkpoint.inspect", "inspect_command", "checkpoint inspection"
     )
     if inspect_command is None:
         return EXIT_INVALID
-    return int(inspect_command(args.path))
+    if args.config is None and not args.json:
+        return int(inspect_command(args.path))
+    return int(
+        inspect_command(args.path, args.config, list(args.overrides), as_json=bool(args.json))
+    )
 
 
 def _import_part(module_name: str, attribute: str, what: str) -> Any:

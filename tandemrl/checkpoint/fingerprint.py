@@ -40,8 +40,13 @@ BUILTIN_EXCLUDED_PATHS: tuple[str, ...] = (
     "policy.device",
 )
 
+# A key names a credential when its last word is one (``hf_token``, ``wandb_api_key``,
+# ``client_secret``, ``credentials``); matched per dotpath segment, so a credential block's
+# children are redacted too. Words inside a key do not count: ``max_new_tokens``,
+# ``token_capture``, ``stop_token_ids`` and ``tokenizer`` are rollout semantics, not secrets.
 _CREDENTIAL = re.compile(
-    r"(password|passwd|secret|token|api_key|apikey|credential|auth)", re.IGNORECASE
+    r"(^|[_-])(password|passwd|secret|token|credentials?|auth|apikey|(api|access|secret|private)[_-]?key)$",
+    re.IGNORECASE,
 )
 REDACTED = "<redacted>"
 
@@ -97,7 +102,11 @@ def compatibility_identity(
     patterns = [_segments(p) for p in (*BUILTIN_EXCLUDED_PATHS, *extra)]
     flat: dict[str, Any] = {}
     _flatten(cfg.model_dump(mode="json", by_alias=True), [], flat, patterns)
-    return {path: (REDACTED if _CREDENTIAL.search(path) else value) for path, value in flat.items()}
+    return {path: (REDACTED if is_credential(path) else value) for path, value in flat.items()}
+
+
+def is_credential(dotpath: str) -> bool:
+    return any(_CREDENTIAL.search(segment) for segment in dotpath.split("."))
 
 
 def fingerprint_digest(identity: dict[str, Any]) -> str:

@@ -93,11 +93,14 @@ def sha256_file(path: Path) -> str:
 
 
 def bundle_files(root: Path) -> list[Path]:
-    """Every file of a bundle except the manifest and nested snapshots (they have their own)."""
+    """Every file of a bundle except its own manifest and nested snapshots (they have their own).
+
+    Nested manifests (``data_plane/manifest.json``) are digested like any other file.
+    """
     files = []
     for path in sorted(root.rglob("*")):
         relative = path.relative_to(root)
-        if relative.parts[0] == SNAPSHOTS_DIR or relative.name == MANIFEST or not path.is_file():
+        if relative.parts[0] == SNAPSHOTS_DIR or relative == Path(MANIFEST) or not path.is_file():
             continue
         files.append(path)
     return files
@@ -126,7 +129,7 @@ def read_manifest(root: Path) -> dict[str, Any]:
         raise CheckpointCorrupt(f"{path}: missing manifest (the bundle was never completed)")
     try:
         manifest = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:  # ValueError: bad JSON or bytes that are not UTF-8
         raise CheckpointCorrupt(f"{path}: unreadable manifest: {exc}") from exc
     if (
         not isinstance(manifest, dict)

@@ -77,8 +77,9 @@ class RestorePlan:
         return f"resume after step {self.step} from {self.trainer_dir or 'the initial model'}; rollout state from {source}"
 
 
-def _fingerprint_problem(manifest: dict[str, Any], identity: dict[str, Any]) -> str | None:
-    if manifest.get("fingerprint") == fingerprint_digest(identity):
+def _fingerprint_problem(manifest: dict[str, Any], identity: dict[str, Any] | None) -> str | None:
+    """Why a manifest's config differs from ``identity`` (None: no config, nothing checked)."""
+    if identity is None or manifest.get("fingerprint") == fingerprint_digest(identity):
         return None
     changed = diff_identities(manifest.get("identity", {}), identity)
     return "config changed since it was written: " + (
@@ -87,7 +88,7 @@ def _fingerprint_problem(manifest: dict[str, Any], identity: dict[str, Any]) -> 
 
 
 def _newest_valid_snapshot(
-    anchor: Path, identity: dict[str, Any], plan: RestorePlan
+    anchor: Path, identity: dict[str, Any] | None, plan: RestorePlan
 ) -> Path | None:
     chosen = None
     for _, path in reversed(list_snapshot_dirs(anchor)):
@@ -118,11 +119,23 @@ def _newest_valid_snapshot(
 
 
 def plan_restore(cfg: MasterConfig) -> RestorePlan:
-    checkpoint_dir = Path(cfg.checkpointing.checkpoint_dir)
-    plan = RestorePlan(checkpoint_dir, cfg.rollout_checkpointing.restore_mode)
     if not cfg.checkpointing.enabled:
-        return plan
-    identity = compatibility_identity(cfg)
+        return RestorePlan(
+            Path(cfg.checkpointing.checkpoint_dir), cfg.rollout_checkpointing.restore_mode
+        )
+    return plan_restore_dir(
+        Path(cfg.checkpointing.checkpoint_dir),
+        restore_mode=cfg.rollout_checkpointing.restore_mode,
+        identity=compatibility_identity(cfg),
+    )
+
+
+def plan_restore_dir(
+    checkpoint_dir: Path, *, restore_mode: str, identity: dict[str, Any] | None
+) -> RestorePlan:
+    """``plan_restore`` on a directory; ``identity`` None skips every fingerprint check
+    (``tandemrl inspect`` without ``--config``). Read-only, like ``plan_restore``."""
+    plan = RestorePlan(checkpoint_dir, restore_mode)
 
     for step, path in reversed(list_step_dirs(checkpoint_dir)):
         if plan.trainer_dir is not None:
@@ -140,6 +153,16 @@ def plan_restore(cfg: MasterConfig) -> RestorePlan:
         plan.rollout_dir = path
         plan.step = step
         plan.considered.append(Candidate(path, "trainer", True, "newest valid trainer checkpoint"))
+
+    if plan.trainer_dir is None and plan.considered:
+        # Every published trainer checkpoint is damaged: starting over would silently drop the
+        # run's progress (and retention would later delete the evidence).
+        damaged = "; ".join(candidate.reason for candidate in plan.considered)
+        raise RestoreRefused(
+            f"no trainer checkpoint in {checkpoint_dir} verifies ({damaged}). Repair or move the "
+            "damaged step_N folders aside to start over, or choose a new "
+            "checkpointing.checkpoint_dir. Nothing was modified."
+        )
 
     bootstrap = bootstrap_dir(checkpoint_dir)
     if plan.restore_mode == "trainer_checkpoint":
@@ -161,7 +184,7 @@ def plan_restore(cfg: MasterConfig) -> RestorePlan:
     if (bootstrap / MANIFEST).exists():
         try:
             manifest = json.loads((bootstrap / MANIFEST).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
+        except (OSError, ValueError) as exc:  # bad JSON or bytes that are not UTF-8
             raise RestoreRefused(
                 f"{bootstrap / MANIFEST}: unreadable bootstrap manifest ({exc})"
             ) from exc

@@ -131,7 +131,7 @@ def read_rollout_state(directory: Path) -> RolloutState:
         )
     except FileNotFoundError:
         raise CheckpointCorrupt(f"{path}: missing") from None
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # ValueError: JSON or UTF-8
         raise CheckpointCorrupt(f"{path}: unreadable or incomplete ({exc})") from exc
     replay_index = None
     if not train_state.get("shadow", False):

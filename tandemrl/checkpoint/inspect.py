@@ -1,0 +1,244 @@
+"""``tandemrl inspect DIR``: what a restart from a checkpoint directory would resume.
+
+``describe_checkpoint_dir`` runs the very selection a restart runs (``plan_restore_dir``,
+read-only) and reads the chosen rollout state: the step and trainer version it resumes after,
+the committed groups it makes selectable again, the unfinished groups it redispatches (with the
+recovery granularity stored for each and the siblings already staged), and why every other
+bundle is skipped (damaged — with the reason —, older, or written under a different config —
+with the changed dotpaths). Without a config the restore mode is taken as ``latest`` and no
+fingerprint is checked; the result says so. ``inspect_command`` prints it as text or JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from tandemrl.checkpoint.fingerprint import compatibility_identity
+from tandemrl.checkpoint.layout import (
+    JOURNAL,
+    MANIFEST,
+    SNAPSHOTS_DIR,
+    CheckpointCorrupt,
+    bootstrap_dir,
+    list_step_dirs,
+    read_manifest,
+)
+from tandemrl.checkpoint.restore import RestorePlan, RestoreRefused, plan_restore_dir
+from tandemrl.checkpoint.rollout_state import read_rollout_state, unfinished_groups
+from tandemrl.config.models import MasterConfig
+from tandemrl.dataplane.atomic import is_temporary_name
+
+EXIT_OK = 0
+EXIT_REFUSED = 1  # a restart would refuse this directory (or it cannot be read)
+EXIT_INVALID = 2
+
+
+def _leftovers(checkpoint_dir: Path) -> list[str]:
+    """Temporary or interrupted folders a restart ignores (never selected, never deleted)."""
+    found = []
+    anchors = [path for _, path in list_step_dirs(checkpoint_dir)]
+    anchors.append(bootstrap_dir(checkpoint_dir))
+    for parent in [checkpoint_dir, *(anchor / SNAPSHOTS_DIR for anchor in anchors)]:
+        if parent.is_dir():
+            found.extend(
+                str(child) for child in sorted(parent.iterdir()) if is_temporary_name(child.name)
+            )
+    return found
+
+
+def _rollout_summary(directory: Path) -> dict[str, Any]:
+    state = read_rollout_state(directory)
+    committed = [] if state.replay_index is None else state.replay_index["buffer"]["groups"]
+    unfinished = unfinished_groups(state)
+    return {
+        "sampler": state.sampler.get("name"),
+        "shadow": state.replay_index is None,
+        "consumed_groups": state.controller.get("consumed_groups"),
+        "dataloader": {
+            "epoch": state.dataloader.get("epoch"),
+            "position": state.dataloader.get("position"),
+            "num_prompts": state.dataloader.get("num_prompts"),
+            "requeued": len(state.dataloader.get("requeued", [])),
+        },
+        "committed_groups": [
+            {
+                "group_id": group["group_id"],
+                "start_weight": group["start_weight"],
+                "end_weight": group["end_weight"],
+                "target_step": group["target_step"],
+                "rows": len(group["rows_meta"]),
+            }
+            for group in committed
+        ],
+        "unfinished_groups": [
+            {
+                "group_id": group.group_id,
+                "prompt_id": group.item.prompt_id,
+                "granularity": group.granularity,
+                "staged_siblings": sorted(group.staged),
+                # What the restart does with the staged siblings (spec: sibling keeps them).
+                "reused_siblings": sorted(group.staged) if group.granularity == "sibling" else [],
+                "start_weight": group.start_weight,
+                "target_step": group.target_step,
+            }
+            for group in unfinished
+        ],
+        "shadow_prompts": len(state.shadow_prompts),
+        "replacement_reserve": len(state.replacement_reserve),
+    }
+
+
+def _trainer_version(plan: RestorePlan) -> int:
+    if plan.rollout_dir is None:
+        return 0
+    if (plan.rollout_dir / MANIFEST).is_file():
+        return int(read_manifest(plan.rollout_dir).get("trainer_version", plan.step))
+    return plan.step
+
+
+def describe_checkpoint_dir(path: str | Path, cfg: MasterConfig | None = None) -> dict[str, Any]:
+    """What a restart from ``path`` would resume; pure (reads, never writes). JSON-able."""
+    checkpoint_dir = Path(path)
+    if cfg is not None:
+        restore_mode = cfg.rollout_checkpointing.restore_mode
+        identity: dict[str, Any] | None = compatibility_identity(cfg)
+        notes = [f"restore_mode {restore_mode} and fingerprint taken from the given config"]
+    else:
+        restore_mode, identity = "latest", None
+        notes = [
+            "no --config given: restore_mode assumed 'latest' and the config fingerprint was "
+            "not checked (a restart with a changed config may refuse or skip snapshots)"
+        ]
+    result: dict[str, Any] = {
+        "checkpoint_dir": str(checkpoint_dir),
+        "exists": checkpoint_dir.is_dir(),
+        "restore_mode": restore_mode,
+        "fingerprint_checked": identity is not None,
+        "notes": notes,
+        "outcome": "fresh",
+        "refused": None,
+        "error": None,
+        "step": 0,
+        "trainer_version": 0,
+        "trainer_checkpoint": None,
+        "rollout_state": None,
+        "candidates": [],
+        "ignored_temporaries": _leftovers(checkpoint_dir),
+        "journal": str(checkpoint_dir / JOURNAL) if (checkpoint_dir / JOURNAL).is_file() else None,
+        "resume": None,
+    }
+    try:
+        plan = plan_restore_dir(checkpoint_dir, restore_mode=restore_mode, identity=identity)
+    except RestoreRefused as exc:
+        result.update(outcome="refused", refused=str(exc))
+        return result
+    result["candidates"] = [
+        {"path": str(c.path), "kind": c.kind, "chosen": c.chosen, "reason": c.reason}
+        for c in plan.considered
+    ]
+    if plan.fresh:
+        result["notes"].append("nothing to resume: a restart starts from the initial model")
+        return result
+    result.update(
+        outcome="resume",
+        step=plan.step,
+        trainer_checkpoint=None if plan.trainer_dir is None else str(plan.trainer_dir),
+        rollout_state=str(plan.rollout_dir),
+    )
+    try:
+        result["trainer_version"] = _trainer_version(plan)
+        assert plan.rollout_dir is not None
+        result["resume"] = _rollout_summary(plan.rollout_dir)
+    except CheckpointCorrupt as exc:
+        # Digests matched but the content does not parse: a restart fails here too.
+        result.update(outcome="error", error=str(exc))
+    return result
+
+
+# ---------------------------------------------------------------------------- rendering
+
+
+def render_text(info: dict[str, Any]) -> str:
+    lines = [f"checkpoint dir: {info['checkpoint_dir']}  (restore_mode {info['restore_mode']})"]
+    lines.extend(f"note: {note}" for note in info["notes"])
+    if info["outcome"] == "refused":
+        lines.append(f"REFUSED: a restart would not start:\n  {info['refused']}")
+    elif info["outcome"] == "fresh":
+        lines.append("resume: none (fresh start)")
+    else:
+        source = info["rollout_state"]
+        lines.append(
+            f"resume: after step {info['step']}, trainer_version {info['trainer_version']}; "
+            f"model from {info['trainer_checkpoint'] or 'the initial model (bootstrap)'}; "
+            f"rollout state from {source}"
+        )
+    if info["error"]:
+        lines.append(f"ERROR: the chosen rollout state cannot be read:\n  {info['error']}")
+    resume = info["resume"]
+    if resume is not None:
+        loader = resume["dataloader"]
+        lines.append(
+            f"sampler {resume['sampler']}; consumed groups {resume['consumed_groups']}; "
+            f"dataloader epoch {loader['epoch']} position {loader['position']}/"
+            f"{loader['num_prompts']} (+{loader['requeued']} requeued)"
+        )
+        if resume["shadow"]:
+            lines.append(
+                f"shadow mode: no replay index; {resume['shadow_prompts']} buffered prompt(s) "
+                "go back to the dataloader and are regenerated"
+            )
+        committed = resume["committed_groups"]
+        lines.append(f"committed groups restorable: {len(committed)}")
+        for group in committed:
+            lines.append(
+                f"  {group['group_id']:<14} rows {group['rows']:>3}  start_weight "
+                f"{group['start_weight']}  end_weight {group['end_weight']}  target_step "
+                f"{group['target_step']}"
+            )
+        unfinished = resume["unfinished_groups"]
+        lines.append(f"unfinished groups to redispatch: {len(unfinished)}")
+        for group in unfinished:
+            staged = group["staged_siblings"]
+            policy = (
+                f"reuses staged siblings {staged}, regenerates the rest"
+                if group["granularity"] == "sibling"
+                else f"regenerates every sibling (discards {len(staged)} staged)"
+            )
+            lines.append(f"  {group['group_id']:<14} {group['granularity']:<12} {policy}")
+        lines.append(f"replacement reserve: {resume['replacement_reserve']} prompt(s)")
+    if info["candidates"]:
+        lines.append("bundles considered:")
+        for candidate in info["candidates"]:
+            mark = "USE " if candidate["chosen"] else "skip"
+            lines.append(
+                f"  {mark} {candidate['kind']:<9} {candidate['path']}\n       {candidate['reason']}"
+            )
+    for leftover in info["ignored_temporaries"]:
+        lines.append(f"ignored (temporary or interrupted, never selected): {leftover}")
+    return "\n".join(lines)
+
+
+def inspect_command(
+    path: str, config: str | None = None, overrides: list[str] | None = None, *, as_json=False
+) -> int:
+    """Print what a restart from ``path`` would resume; 0 resumable or fresh, 1 refused/error."""
+    cfg = None
+    if config is not None:
+        from tandemrl.config import ConfigError, load_config
+
+        try:
+            cfg = load_config(config, list(overrides or []))
+        except ConfigError as exc:
+            print(f"{config}: invalid config", file=sys.stderr)
+            for message in exc.messages:
+                print(message, file=sys.stderr)
+            return EXIT_INVALID
+    elif overrides:
+        print("tandemrl inspect: overrides need --config", file=sys.stderr)
+        return EXIT_INVALID
+    info = describe_checkpoint_dir(path, cfg)
+    print(json.dumps(info, indent=2) if as_json else render_text(info))
+    return EXIT_REFUSED if info["outcome"] in ("refused", "error") else EXIT_OK
