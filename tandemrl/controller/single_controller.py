@@ -148,6 +148,7 @@ class SingleController:
         self._rollout_done = False
         self._stopping = False
         self._acc = StepAccumulator()
+        self._group_crash: asyncio.Future[None] | None = None
         self.waiting_on: dict[str, str] = {"rollout": "not started", "train": "not started"}
         self.last_progress_at = time.monotonic()
         self.history: list[dict[str, float]] = []
@@ -167,6 +168,7 @@ class SingleController:
     async def run(self) -> list[dict[str, float]]:
         """Run both pumps until max_num_steps or the data runs out; return per-step metrics."""
         self._acc = StepAccumulator()
+        self._group_crash = asyncio.get_running_loop().create_future()
         rollout = asyncio.create_task(self._rollout_pump(), name="rollout_pump")
         train = asyncio.create_task(self._train_pump(), name="train_pump")
         background = [rollout]
@@ -182,7 +184,7 @@ class SingleController:
                 asyncio.create_task(self.checkpointer.snapshot_loop(self), name="snapshots")
             )
         try:
-            pending: set[asyncio.Task[None]] = {*background, train}
+            pending: set[asyncio.Future[Any]] = {*background, train, self._group_crash}
             while train in pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
@@ -286,6 +288,20 @@ class SingleController:
 
     async def _run_group(self, group: UnfinishedGroup) -> None:
         try:
+            await self._drive_group(group)
+        except Exception as exc:
+            # A budget exceeded, every worker dead, a step shrunk too far: the run must end
+            # with this exception instead of the group task dying unobserved.
+            if self._group_crash is not None and not self._group_crash.done():
+                self._group_crash.set_exception(exc)
+        finally:
+            self._inflight.pop(group.group_id, None)
+            self.inflight_started_at.pop(group.group_id, None)
+            self._abort_requested.discard(group.group_id)
+            self._notify()
+
+    async def _drive_group(self, group: UnfinishedGroup) -> None:
+        try:
             await self.rollout_manager.generate_and_push(group)
             self.last_progress_at = time.monotonic()
         except RolloutDropped as dropped:
@@ -299,11 +315,6 @@ class SingleController:
                 self._acc.aborted_groups += 1
             else:
                 raise
-        finally:
-            self._inflight.pop(group.group_id, None)
-            self.inflight_started_at.pop(group.group_id, None)
-            self._abort_requested.discard(group.group_id)
-            self._notify()
 
     def _after_drop(self, group: UnfinishedGroup, slot: Any) -> None:
         """A dropped group: replace it from the reserve, or let its step train short."""
