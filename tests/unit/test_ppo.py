@@ -38,6 +38,7 @@ def make_cfg(*overrides: str):
         "value.train_global_batch_size=8",
         "value.train_micro_batch_size=8",
         "ppo.max_num_steps=4",
+        "ppo.ppo_epochs=1",
         "async_rl.max_buffered_rollouts=8",
         "async_rl.max_inflight_prompts=8",
         "logger.progress=false",
