@@ -419,3 +419,83 @@ def test_no_offload_calls_when_the_flag_is_off() -> None:
     asyncio.run(step())
     assert "policy.offload_optimizer" not in events
     assert events[0] == "critic.get_values"
+
+
+# --------------------------------------------------------------------------- real workers
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny-qwen2-ppo")
+    config = Qwen2Config(
+        vocab_size=16,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        tie_word_embeddings=True,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        Qwen2ForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def test_one_step_with_real_workers_offloads_and_counts_optimizer_steps(
+    tiny_model_dir: Path,
+) -> None:
+    from tandemrl.training.policy_worker import PolicyWorker
+    from tandemrl.training.value_worker import ValueWorker
+
+    cfg = make_cfg(
+        f"policy.model_name={tiny_model_dir}",
+        "ppo.ppo_epochs=3",
+        "ppo.critic_ppo_epochs=2",
+        "policy.generation.temperature=1.0",
+    )
+    policy = PolicyWorker(cfg.policy, cfg.loss_fn, seed=0)
+    critic = ValueWorker(cfg.value, cfg.value_loss_fn, model_path=tiny_model_dir, device="cpu")
+    runner = PPOStepRunner.from_config(cfg, policy, critic, pad_token_id=0)
+    slots, rows = fake_slots_and_rows(4, 2)
+    critic_before = [p.detach().clone() for p in critic.head.parameters()]
+
+    async def step():
+        await runner.begin(version=0)
+        await runner.train_chunk(slots, rows, step_num_sequences=8)
+        return await runner.finish()
+
+    metrics = asyncio.run(step())
+    assert policy.optimizer_steps == 3
+    assert critic.optimizer_steps == 2
+    assert metrics["optimizer_steps"] == 3 and metrics["critic_optimizer_steps"] == 2
+    # On CPU the offload is a recorded no-op: off before the critic, back for the first update.
+    assert policy.state()["optimizer_transitions"] == ["offload", "reload"]
+    assert policy.optimizer_location == "device"
+    # Later epochs move the policy away from prev_logprobs: the ratio is no longer exactly 1.
+    assert metrics["ratio_mean"] != pytest.approx(1.0, abs=1e-7)
+    assert any(
+        not torch.equal(before, after)
+        for before, after in zip(critic_before, critic.head.parameters(), strict=True)
+    )
+    assert runner.value_trainer is critic
+
+
+def test_placement_gives_the_critic_half_the_trainer_share() -> None:
+    from tandemrl.controller.setup import plan_placement
+
+    cpu = plan_placement(make_cfg(), cluster_cpus=2, cluster_gpus=0)
+    assert (cpu.generation_cpus, cpu.trainer_cpus, cpu.value_cpus) == (1.0, 0.5, 0.5)
+    gpu = plan_placement(
+        make_cfg("policy.generation.colocated.resources.gpus_per_node=1"),
+        cluster_cpus=16,
+        cluster_gpus=2,
+    )
+    assert (gpu.generation_gpus, gpu.trainer_gpus, gpu.value_gpus) == (1.0, 0.5, 0.5)
+    grpo = plan_placement(
+        load_config("examples/configs/grpo_tiny_cpu.yaml"), cluster_cpus=2, cluster_gpus=0
+    )
+    assert (grpo.trainer_cpus, grpo.value_cpus) == (1.0, 0.0)
