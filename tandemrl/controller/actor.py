@@ -59,25 +59,17 @@ class SingleControllerActor:
 
     def _build(self) -> SingleController:
         engines = [ActorProxy(handle) for handle in self.engine_handles]
-        controller_box: list[SingleController] = []
-
-        def alive_engine_handles() -> list[Any]:
-            pool = controller_box[0].generation
-            return [engine.handle for engine in pool.engines]
-
         parts = ControllerParts(
             trainer=ActorProxy(self.trainer_handle),
             engines=engines,
             env=create_environment(self.cfg.env),
             codec=text_codec(load_tokenizer(self.model_path)),
-            weight_sync=RayObjectStoreWeightSync(self.trainer_handle, alive_engine_handles),
+            weight_sync=lambda pool: RayObjectStoreWeightSync(self.trainer_handle, pool),
             value_trainer=None
             if self.value_trainer_handle is None
             else ActorProxy(self.value_trainer_handle),
         )
-        controller = build_controller(self.cfg, parts, model_path=self.model_path)
-        controller_box.append(controller)
-        return controller
+        return build_controller(self.cfg, parts, model_path=self.model_path)
 
     async def run(self) -> list[dict[str, float]]:
         self.controller = self._build()

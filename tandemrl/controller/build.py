@@ -8,6 +8,7 @@ Tests and benchmarks pass fakes; ``tandemrl.controller.setup`` passes Ray worker
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,8 @@ class ControllerParts:
     engines: list[Any]
     env: Environment
     codec: TextCodec
-    weight_sync: WeightSynchronizer | None = None  # default: DirectWeightSync(trainer, pool)
+    # default: DirectWeightSync(trainer, pool); a callable gets the generation pool
+    weight_sync: WeightSynchronizer | Callable[[GenerationPool], WeightSynchronizer] | None = None
     data_plane: DataPlane | None = None  # default: from cfg.data_plane
     dataloader: PromptDataLoader | None = None  # default: from cfg.data
     step_runner: StepRunner | None = None  # default: make_step_runner(cfg, trainer, ...)
@@ -160,13 +162,21 @@ def build_controller(
             value_trainer=parts.value_trainer,
             sampler=sampler,
         ),
-        weight_sync=parts.weight_sync or DirectWeightSync(parts.trainer, pool),
+        weight_sync=_weight_sync(parts, pool),
         barrier=barrier,
         step_hooks=step_hooks,
         checkpointer=checkpointer,
         journal=journal,
         watchdog_cfg=cfg.async_rl.stall_watchdog,
     )
+
+
+def _weight_sync(parts: ControllerParts, pool: GenerationPool) -> WeightSynchronizer:
+    if parts.weight_sync is None:
+        return DirectWeightSync(parts.trainer, pool)
+    if callable(parts.weight_sync) and not hasattr(parts.weight_sync, "sync"):
+        return parts.weight_sync(pool)
+    return parts.weight_sync
 
 
 def build_fake_controller(

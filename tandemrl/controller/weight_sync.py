@@ -12,9 +12,7 @@ transports plug in here without touching the pumps.
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Callable
 from typing import Any, Protocol
 
 from tandemrl.rollout.generation_pool import GenerationPool
@@ -38,17 +36,13 @@ class DirectWeightSync:
 
 
 class RayObjectStoreWeightSync:
-    def __init__(self, trainer_handle: Any, engine_handles: Callable[[], list[Any]]) -> None:
+    def __init__(self, trainer_handle: Any, pool: GenerationPool) -> None:
         self.trainer_handle = trainer_handle
-        self.engine_handles = engine_handles
+        self.pool = pool
 
     async def sync(self, version: int) -> float:
         started = time.perf_counter()
+        # The reference is passed on as a top-level argument: Ray resolves it in each worker.
         weights_ref = self.trainer_handle.export_weights.remote()
-        await asyncio.gather(
-            *(
-                handle.update_weights.remote(version, weights_ref)
-                for handle in self.engine_handles()
-            )
-        )
+        await self.pool.update_weights(version, weights_ref)
         return time.perf_counter() - started

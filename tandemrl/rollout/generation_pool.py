@@ -119,20 +119,37 @@ class GenerationPool:
                 )
             remaining = timeout - awake_elapsed
 
+    async def broadcast(self, method: str, *args: Any) -> list[Any]:
+        """Call ``method`` on every live engine; a worker found dead is taken out of rotation."""
+        workers = [w for w in self._workers if w.alive]
+        results = await asyncio.gather(
+            *(getattr(w.engine, method)(*args) for w in workers), return_exceptions=True
+        )
+        values = []
+        for worker, result in zip(workers, results, strict=True):
+            if isinstance(result, BaseException):
+                if _is_worker_death(result):
+                    self.mark_dead(worker, result)
+                    continue
+                raise result
+            values.append(result)
+        if self.num_alive == 0:
+            self._pick()  # raises NoGenerationWorkers with the full story
+        return values
+
     async def abort(self, request_ids: list[str]) -> None:
         """Abort requests on every live engine (ids unknown to an engine are ignored there)."""
-        await asyncio.gather(*(engine.abort(request_ids) for engine in self.engines))
+        await self.broadcast("abort", request_ids)
 
     async def frozen_time(self) -> float:
         """Seconds the engines stood down so far (the longest of them; they sleep together)."""
-        times = await asyncio.gather(*(engine.frozen_time() for engine in self.engines))
-        return max(times, default=0.0)
+        return max(await self.broadcast("frozen_time"), default=0.0)
 
     async def update_weights(self, version: int, weights: Any) -> None:
-        await asyncio.gather(*(engine.update_weights(version, weights) for engine in self.engines))
+        await self.broadcast("update_weights", version, weights)
 
     async def sleep(self) -> None:
-        await asyncio.gather(*(engine.sleep() for engine in self.engines))
+        await self.broadcast("sleep")
 
     async def wake(self) -> None:
-        await asyncio.gather(*(engine.wake() for engine in self.engines))
+        await self.broadcast("wake")
