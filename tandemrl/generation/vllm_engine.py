@@ -1,9 +1,9 @@
 """Generation with vLLM's async engine (``policy.generation.backend: vllm``), non-colocated.
 
 What it owns: one ``vllm.v1.engine.async_llm.AsyncLLM`` (the engine core runs in a child
-process that vLLM spawns; with ``distributed_executor_backend="uni"`` the model worker lives in
-that same child) and one private event loop on a background thread that every call to vLLM
-goes through. The private loop is why one engine can serve callers on any loop (a Ray actor's,
+process that vLLM spawns; with ``distributed_executor_backend="uni"`` and, on CPU,
+``VLLM_ENABLE_V1_MULTIPROCESSING=0`` the model worker lives in that same child) and one private
+event loop on a background thread that every call to vLLM goes through. The private loop is why one engine can serve callers on any loop (a Ray actor's,
 a test's ``asyncio.run``): vLLM binds its output handler to the loop that first uses it.
 
 Flow of one ``generate`` call: each ``GenerationRequest`` becomes one vLLM request with its own
@@ -146,6 +146,7 @@ class VllmGenerationEngine(GenerationBackend):
         self._closed = False
 
         # Owned by the private loop's thread.
+        self._llm: Any = None  # the AsyncLLM, set by _start
         self._inflight: set[str] = set()
         self._abort_requested: set[str] = set()
         self._update_lock: asyncio.Lock | None = None
@@ -155,6 +156,9 @@ class VllmGenerationEngine(GenerationBackend):
             # every process down (FIELD-NOTES). The engine process inherits these.
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
             os.environ.setdefault("OMP_NUM_THREADS", "1")
+            # Without it vLLM's CPU platform turns the "uni" executor into "mp": one more
+            # process per engine, and start-up and weight updates several times slower.
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
         engine_args = self._engine_args(cfg, seed, kv_cache_memory_bytes)
         self._loop = asyncio.new_event_loop()
@@ -164,9 +168,9 @@ class VllmGenerationEngine(GenerationBackend):
         self._thread.start()
         started = time.monotonic()
         try:
-            self._llm = asyncio.run_coroutine_threadsafe(
-                self._start(engine_args), self._loop
-            ).result(timeout=STARTUP_TIMEOUT_S)
+            asyncio.run_coroutine_threadsafe(self._start(engine_args), self._loop).result(
+                timeout=STARTUP_TIMEOUT_S
+            )
         except BaseException:
             self._stop_loop()
             raise
@@ -309,19 +313,22 @@ class VllmGenerationEngine(GenerationBackend):
 
     # ------------------------------------------------------------------ private loop side
 
-    async def _start(self, engine_args: dict[str, Any]) -> Any:
+    async def _start(self, engine_args: dict[str, Any]) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self._update_lock = asyncio.Lock()
-        llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args))
+        # No local name for the engine in this frame, nor in _shutdown: vLLM's lazy imports
+        # keep tracebacks whose frames reach back here, and a local would keep the engine
+        # alive until interpreter exit (where its __del__ fails noisily).
+        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args))
         try:
             # vLLM starts at version "default"; every token must carry one of ours.
-            await llm.update_weight_version(str(self._version))
+            await self._llm.update_weight_version(str(self._version))
         except BaseException:
-            llm.shutdown()
+            self._llm.shutdown()
+            self._llm = None
             raise
-        return llm
 
     async def _generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         from vllm import SamplingParams, TokensPrompt
@@ -427,21 +434,20 @@ class VllmGenerationEngine(GenerationBackend):
         assert self._update_lock is not None
         async with self._update_lock:
             started = time.monotonic()
-            llm = self._llm
-            await llm.pause_generation(mode="keep", clear_cache=False)
+            await self._llm.pause_generation(mode="keep", clear_cache=False)
             try:
-                await llm.collective_rpc("tandemrl_reload_weights", args=(payload,))
-                await llm.update_weight_version(str(version))
+                await self._llm.collective_rpc("tandemrl_reload_weights", args=(payload,))
+                await self._llm.update_weight_version(str(version))
                 # With recompute: preempt in-flight requests, so their KV is recomputed with
                 # the new weights on resume (this also empties the prefix cache).
                 if self.recompute_kv_cache_after_weight_updates and not (
-                    await llm.reset_prefix_cache(reset_running_requests=True)
+                    await self._llm.reset_prefix_cache(reset_running_requests=True)
                 ):
                     raise GenerationError("vLLM could not reset its prefix/KV cache")
                 self._version = version
             finally:
                 if self._asleep_since is None:
-                    await llm.resume_generation()
+                    await self._llm.resume_generation()
             self.stats.weight_updates += 1
             self.stats.weight_update_seconds += time.monotonic() - started
 
@@ -455,9 +461,9 @@ class VllmGenerationEngine(GenerationBackend):
     async def _shutdown(self) -> None:
         if self._inflight:
             await self._llm.abort(list(self._inflight))
-        llm, self._llm = self._llm, None
         # Blocking (joins the engine process); not on the loop's critical path any more.
-        await asyncio.to_thread(llm.shutdown)
+        await asyncio.to_thread(self._llm.shutdown)
+        self._llm = None
 
 
 # ---------------------------------------------------------------------- helpers
