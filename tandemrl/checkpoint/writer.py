@@ -26,6 +26,7 @@ from tandemrl.checkpoint.fingerprint import compatibility_identity, fingerprint_
 from tandemrl.checkpoint.layout import (
     MANIFEST,
     POLICY_DIR,
+    SNAPSHOTS_DIR,
     VALUE_DIR,
     bootstrap_dir,
     list_snapshot_dirs,
@@ -37,7 +38,11 @@ from tandemrl.checkpoint.layout import (
 )
 from tandemrl.checkpoint.rollout_state import capture_rollout_state, write_rollout_state
 from tandemrl.config.models import MasterConfig
-from tandemrl.dataplane.atomic import atomic_directory, write_json_atomic
+from tandemrl.dataplane.atomic import (
+    atomic_directory,
+    remove_stale_temporaries,
+    write_json_atomic,
+)
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +95,8 @@ class CheckpointWriter:
                 write_manifest(tmp, self._manifest_payload("trainer", controller))
             self._retain_trainer_checkpoints()
             self._drop_bootstrap_snapshots()
+            # Folders of writes a crash interrupted (never selected); ours is published by now.
+            remove_stale_temporaries(self.checkpoint_dir)
         log.info("trainer checkpoint %s written in %.2f s", target, time.perf_counter() - started)
         return target
 
@@ -170,6 +177,7 @@ class CheckpointWriter:
                     tmp, {**self._manifest_payload("snapshot", controller), "sequence": sequence}
                 )
             self.snapshots_written += 1
+            remove_stale_temporaries(anchor / SNAPSHOTS_DIR)
             for _, old in list_snapshot_dirs(anchor)[
                 : -self.cfg.rollout_checkpointing.keep_latest_k
             ]:

@@ -578,3 +578,26 @@ def test_writer_digests_nested_manifests(ckpt):
     """The data plane's own manifest is covered by the bundle's (a damaged one is seen)."""
     manifest = json.loads((ckpt / "step_3" / MANIFEST).read_text())
     assert f"{DATA_PLANE_DIR}/{MANIFEST}" in manifest["files"]
+
+
+def test_a_later_write_sweeps_the_folders_of_interrupted_writes(ckpt):
+    stale_step = ckpt / ".step_4.tmp-0123456789ab"
+    stale_snapshot = ckpt / "step_3" / "rollout_snapshots" / ".snapshot_000003.tmp-0123456789ab"
+    for stale in (stale_step, stale_snapshot):
+        stale.mkdir()
+        (stale / TRAIN_STATE).write_text("{partial")
+    cfg = make_cfg(ckpt)
+
+    async def run_one_more_step() -> None:
+        controller = make_controller(cfg, stop_after_step=4)
+        await resume(controller, plan_restore(cfg))
+        written = await controller.checkpointer.attempt_snapshot(controller)
+        assert written == snapshot_dir(ckpt / "step_3", 3)
+        assert not stale_snapshot.exists() and stale_step.exists()
+        with pytest.raises(_Stop):
+            await controller.run()
+        controller.journal.close()
+
+    asyncio.run(run_one_more_step())
+    assert not stale_step.exists()
+    assert (ckpt / "step_4" / MANIFEST).is_file()

@@ -1,0 +1,494 @@
+"""Kill a real ``tandemrl train`` run with SIGKILL at chosen moments, restart it, audit it.
+
+Used by ``tests/chaos/test_sigkill.py`` (a few kills, CI) and ``benchmarks/chaos_restart.py``
+(more kills, random times). One attempt is one ``tandemrl train`` subprocess in its own
+session (``start_new_session=True``). Ray's gcs_server and raylet stay in that process group,
+but the Ray *workers* (generation, trainer, controller actor) each get a process group of their
+own, so a group kill alone would orphan them. Every process of the run therefore carries a
+marker in its environment (``TANDEMRL_CHAOS_RUN``, inherited through the raylet); a kill is
+``killpg`` of the driver's group plus SIGKILL of every marked process, repeated until none is
+left, and the attempt's Ray session folder is removed afterwards.
+
+Kill points, detected from outside by polling the checkpoint directory and the run journal:
+
+- ``mid_generation``: shortly after the attempt's first trained step (rollouts in flight).
+- ``mid_train``: the groups of the next step have all committed but the step has not closed
+  (a heuristic: prompts are dispatched in (epoch, index) order, ``num_prompts_per_step`` each).
+- ``trainer_checkpoint_write``: a ``.step_N.tmp-*`` folder exists (N at least two steps past
+  the resumed one, so a previous checkpoint of this attempt exists).
+- ``snapshot_write``: a ``.snapshot_*.tmp-*`` folder exists under an anchor.
+- ``random``: a seeded delay after the attempt's controller started (or, sometimes, after
+  the process started: a kill during start-up).
+
+``audit`` replays the journal (``tandemrl.checkpoint.journal.lineage``) into the proof.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tandemrl.checkpoint.journal import lineage, read_journal
+from tandemrl.checkpoint.layout import JOURNAL
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "examples" / "configs" / "grpo_tiny_cpu_checkpointed.yaml"
+MARKER_ENV = "TANDEMRL_CHAOS_RUN"
+POLL_S = 0.004
+# The run's process list is refreshed this often while waiting for a kill point, so the kill
+# itself needs no /proc scan.
+PID_REFRESH_S = 0.5
+RAY_SESSIONS = Path("/tmp/ray")
+
+KILL_POINTS = (
+    "mid_generation",
+    "mid_train",
+    "trainer_checkpoint_write",
+    "snapshot_write",
+    "random",
+)
+
+
+@dataclass(frozen=True)
+class RunShape:
+    num_prompts: int = 64
+    epochs: int = 2
+    prompts_per_step: int = 8
+    generations_per_prompt: int = 8
+
+    @property
+    def total_steps(self) -> int:
+        return self.num_prompts * self.epochs // self.prompts_per_step
+
+    def prompt_ids(self) -> set[str]:
+        return {f"e{e}-i{i}" for e in range(self.epochs) for i in range(self.num_prompts)}
+
+    def overrides(self, workdir: Path) -> list[str]:
+        batch = self.prompts_per_step * self.generations_per_prompt
+        return [
+            f"data.num_prompts={self.num_prompts}",
+            f"grpo.max_num_epochs={self.epochs}",
+            f"grpo.num_prompts_per_step={self.prompts_per_step}",
+            f"grpo.num_generations_per_prompt={self.generations_per_prompt}",
+            f"policy.train_global_batch_size={batch}",
+            f"policy.train_micro_batch_size={batch}",
+            f"async_rl.max_buffered_rollouts={2 * self.prompts_per_step}",
+            f"async_rl.max_inflight_prompts={2 * self.prompts_per_step}",
+            f"async_rl.min_groups_for_streaming_train={self.prompts_per_step}",
+            "grpo.max_num_steps=1000",
+            "checkpointing.save_period=1",
+            "rollout_checkpointing.snapshot_attempt_interval_s=0.5",
+            f"checkpointing.checkpoint_dir={workdir / 'ckpt'}",
+            f"logger.log_dir={workdir / 'logs'}",
+            "logger.progress=false",
+            "logger.tensorboard=false",
+            "logger.plot=false",
+        ]
+
+
+@dataclass
+class Kill:
+    attempt: int
+    point: str
+    hit: bool  # the kill point was observed (False: the fallback timer fired instead)
+    seconds_after_start: float
+    trained_steps_seen: int  # trained events in the journal at the kill
+    detail: str = ""
+
+
+@dataclass
+class ChaosReport:
+    kills: list[Kill] = field(default_factory=list)
+    attempts: int = 0
+    final_returncode: int | None = None
+    wall_s: float = 0.0
+    stragglers_killed: int = 0
+    audit: dict[str, Any] = field(default_factory=dict)
+
+    def result(self) -> dict[str, Any]:
+        return {
+            "kills": len(self.kills),
+            "kills_hit": sum(kill.hit for kill in self.kills),
+            "kill_points": [kill.point for kill in self.kills],
+            "attempts": self.attempts,
+            "final_returncode": self.final_returncode,
+            "wall_s": round(self.wall_s, 1),
+            **{
+                key: self.audit[key]
+                for key in (
+                    "groups_lost",
+                    "groups_duplicated",
+                    "groups_regenerated",
+                    "siblings_regenerated",
+                    "regenerated_after_restore",
+                    "steps",
+                    "step_numbering_continuous",
+                )
+            },
+        }
+
+
+# ---------------------------------------------------------------------------- processes
+
+
+def _marked_pids(marker: str) -> set[int]:
+    """Every live process whose environment carries ``marker`` (the driver and Ray's tree)."""
+    needle = f"{MARKER_ENV}={marker}".encode()
+    found = set()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/environ", "rb") as handle:
+                if needle in handle.read():
+                    found.add(int(entry.name))
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue  # exited meanwhile, or not ours to read
+    return found
+
+
+def _sigkill(pid: int) -> bool:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _sigkill_group(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+class Attempt:
+    def __init__(self, index: int, workdir: Path, overrides: list[str], marker: str) -> None:
+        self.index = index
+        self.log_path = workdir / f"attempt_{index:02d}.log"
+        env = {
+            **os.environ,
+            "RAY_AUTH_MODE": "disabled",
+            "TOKENIZERS_PARALLELISM": "false",
+            MARKER_ENV: marker,
+        }
+        self.marker = marker
+        self.started = time.monotonic()
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "tandemrl.cli",
+                    "train",
+                    "--config",
+                    str(CONFIG),
+                    *overrides,
+                ],
+                cwd=REPO,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self._pids: set[int] = set()
+        self._pids_at = 0.0
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def running(self) -> bool:
+        return self.process.poll() is None
+
+    def refresh_pids(self, *, force: bool = False) -> None:
+        if force or time.monotonic() - self._pids_at > PID_REFRESH_S:
+            self._pids = _marked_pids(self.marker)
+            self._pids_at = time.monotonic()
+
+    def kill_everything(self, timeout_s: float = 30.0) -> int:
+        """SIGKILL the process group and every marked process; return the stragglers killed."""
+        _sigkill_group(self.process.pid)  # False when the group is gone: stragglers only
+        for pid in self._pids:
+            _sigkill(pid)
+        self.process.wait()
+        stragglers = 0
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = _marked_pids(self.marker)
+            if not left:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"processes of the killed run survive SIGKILL: {sorted(left)}")
+            stragglers += sum(_sigkill(pid) for pid in left)
+            time.sleep(0.05)
+        self._remove_ray_session()
+        return stragglers
+
+    def _remove_ray_session(self) -> None:
+        # Ray names the session after the driver's pid; other runs' sessions are left alone.
+        for session in RAY_SESSIONS.glob(f"session_*_{self.process.pid}"):
+            shutil.rmtree(session, ignore_errors=True)
+
+    def tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+# ---------------------------------------------------------------------------- observation
+
+
+def _journal_events(path: Path) -> list[dict[str, Any]]:
+    return read_journal(path) if path.is_file() else []
+
+
+class Observer:
+    """What the run is doing, seen from its checkpoint directory and journal."""
+
+    def __init__(self, checkpoint_dir: Path, starts_before: int, shape: RunShape) -> None:
+        self.checkpoint_dir = checkpoint_dir
+        self.journal = checkpoint_dir / JOURNAL
+        self.starts_before = starts_before
+        self.shape = shape
+
+    def events(self) -> list[dict[str, Any]]:
+        return _journal_events(self.journal)
+
+    def this_attempt(self) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+        """This attempt's ``start`` event and the events after it."""
+        events = self.events()
+        starts = [i for i, event in enumerate(events) if event["event"] == "start"]
+        if len(starts) <= self.starts_before:
+            return None, []
+        first = starts[self.starts_before]
+        return events[first], events[first + 1 :]
+
+    def tmp_step_dirs(self) -> list[str]:
+        if not self.checkpoint_dir.is_dir():
+            return []
+        return [
+            entry.name
+            for entry in os.scandir(self.checkpoint_dir)
+            if entry.name.startswith(".step_") and ".tmp-" in entry.name
+        ]
+
+    def tmp_snapshot_dirs(self) -> list[str]:
+        if not self.checkpoint_dir.is_dir():
+            return []
+        found = []
+        for anchor in os.scandir(self.checkpoint_dir):
+            if not (anchor.name.startswith("step_") or anchor.name == "bootstrap"):
+                continue
+            root = Path(anchor.path) / "rollout_snapshots"
+            if root.is_dir():
+                found.extend(
+                    f"{anchor.name}/{entry.name}"
+                    for entry in os.scandir(root)
+                    if entry.name.startswith(".snapshot_") and ".tmp-" in entry.name
+                )
+        return found
+
+
+def _ordinal(prompt_id: str, num_prompts: int) -> int:
+    epoch, index = prompt_id[1:].split("-i")
+    return int(epoch) * num_prompts + int(index)
+
+
+class KillPoint:
+    """Polled until ``ready`` returns a detail string: then the attempt is killed."""
+
+    def __init__(self, point: str, rng: random.Random) -> None:
+        self.point = point
+        self.delay_from_process_start: float | None = None
+        self.delay_from_controller_start: float | None = None
+        self.controller_started_at: float | None = None
+        self.first_trained_at: float | None = None
+        self.after_first_step_s = rng.uniform(0.05, 0.4)
+        if point == "random":
+            if rng.random() < 0.25:
+                self.delay_from_process_start = rng.uniform(2.0, 45.0)
+            else:
+                self.delay_from_controller_start = rng.uniform(0.0, 6.0)
+
+    def ready(self, attempt: Attempt, observer: Observer) -> str | None:
+        if self.point == "random" and self.delay_from_process_start is not None:
+            if attempt.elapsed() >= self.delay_from_process_start:
+                return f"{self.delay_from_process_start:.1f} s after process start"
+            return None
+        if self.point == "trainer_checkpoint_write":
+            start, _ = observer.this_attempt()
+            if start is None:
+                return None
+            wanted = int(start.get("resumed_step", 0)) + 2
+            for name in observer.tmp_step_dirs():
+                step = int(name[len(".step_") :].split(".tmp-")[0])
+                if step >= wanted:
+                    return name
+            return None
+        if self.point == "snapshot_write":
+            start, _ = observer.this_attempt()
+            names = observer.tmp_snapshot_dirs() if start is not None else []
+            return names[0] if names else None
+        start, after = observer.this_attempt()
+        if start is None:
+            return None
+        now = time.monotonic()
+        if self.controller_started_at is None:
+            self.controller_started_at = now
+        trained = [event for event in after if event["event"] == "trained"]
+        if self.point == "random":
+            assert self.delay_from_controller_start is not None
+            if now - self.controller_started_at >= self.delay_from_controller_start:
+                return f"{self.delay_from_controller_start:.2f} s after the controller started"
+            return None
+        if self.point == "mid_generation":
+            if trained and self.first_trained_at is None:
+                self.first_trained_at = now
+            if self.first_trained_at is not None and (
+                now - self.first_trained_at >= self.after_first_step_s
+            ):
+                return f"{self.after_first_step_s:.2f} s after step {trained[0]['step']} closed"
+            return None
+        if self.point == "mid_train":
+            last_step = trained[-1]["step"] if trained else int(start.get("resumed_step", 0))
+            generated = {
+                event["group_id"] for event in observer.events() if event["event"] == "generated"
+            }
+            generated.update(start.get("restored_committed", []))
+            per_step = observer.shape.prompts_per_step
+            next_groups = range(last_step * per_step, (last_step + 1) * per_step)
+            ordinals = {_ordinal(group, observer.shape.num_prompts) for group in generated}
+            if trained and all(ordinal in ordinals for ordinal in next_groups):
+                return f"all groups of step {last_step + 1} committed, step still open"
+            return None
+        raise ValueError(f"unknown kill point {self.point!r}; known: {KILL_POINTS}")
+
+
+# ---------------------------------------------------------------------------- the run
+
+
+def run_with_kills(
+    workdir: Path,
+    points: list[str],
+    *,
+    shape: RunShape | None = None,
+    seed: int = 0,
+    point_timeout_s: float = 150.0,
+    final_timeout_s: float = 420.0,
+    log: Any = print,
+) -> ChaosReport:
+    """Run, killing once per entry of ``points``, then let the last attempt finish."""
+    shape = shape or RunShape()
+    workdir.mkdir(parents=True, exist_ok=True)
+    overrides = shape.overrides(workdir)
+    checkpoint_dir = workdir / "ckpt"
+    rng = random.Random(seed)
+    marker = uuid.uuid4().hex
+    report = ChaosReport()
+    started = time.monotonic()
+    pending = list(points)
+    while True:
+        starts_before = sum(
+            event["event"] == "start" for event in _journal_events(checkpoint_dir / JOURNAL)
+        )
+        attempt = Attempt(report.attempts, workdir, overrides, marker)
+        report.attempts += 1
+        observer = Observer(checkpoint_dir, starts_before, shape)
+        if not pending:
+            try:
+                report.final_returncode = attempt.process.wait(timeout=final_timeout_s)
+            except subprocess.TimeoutExpired:
+                attempt.kill_everything()
+                raise RuntimeError(
+                    f"the final attempt did not finish in {final_timeout_s} s:\n{attempt.tail()}"
+                ) from None
+            # A finished run leaves nothing behind either.
+            report.stragglers_killed += attempt.kill_everything()
+            break
+        point = KillPoint(pending[0], rng)
+        detail, hit = None, True
+        while attempt.running():
+            attempt.refresh_pids()
+            detail = point.ready(attempt, observer)
+            if detail is not None:
+                break
+            if attempt.elapsed() > point_timeout_s:
+                detail, hit = f"not seen within {point_timeout_s} s: killed by timer", False
+                break
+            time.sleep(POLL_S)
+        if not attempt.running():
+            # It finished (or crashed) before the kill point: nothing more to kill.
+            report.final_returncode = attempt.process.wait()
+            report.stragglers_killed += attempt.kill_everything()
+            log(
+                f"attempt {attempt.index} exited with {report.final_returncode} before {pending[0]}"
+            )
+            break
+        trained_seen = sum(event["event"] == "trained" for event in observer.events())
+        report.stragglers_killed += attempt.kill_everything()
+        pending.pop(0)
+        kill = Kill(
+            attempt.index, point.point, hit, round(attempt.elapsed(), 2), trained_seen, detail
+        )
+        report.kills.append(kill)
+        log(f"kill {len(report.kills)}: {kill}")
+    report.wall_s = time.monotonic() - started
+    report.audit = audit(checkpoint_dir, shape)
+    return report
+
+
+def audit(checkpoint_dir: Path, shape: RunShape) -> dict[str, Any]:
+    """The exactly-once proof, replayed from the run journal."""
+    result = lineage(read_journal(checkpoint_dir / JOURNAL))
+    trained = result.trained_groups()
+    counts = Counter(trained)
+    fresh = Counter((group, sibling) for _, group, sibling in result.fresh_generations)
+    regenerated_groups = {group for (group, _), count in fresh.items() if count > 1}
+    steps = sorted(result.trained)
+    return {
+        "attempts": result.attempts,
+        "steps": len(steps),
+        "expected_steps": shape.total_steps,
+        "step_numbering_continuous": steps == list(range(1, len(steps) + 1)),
+        "groups_trained": len(trained),
+        "groups_lost": len(shape.prompt_ids() - set(trained)),
+        "groups_duplicated": sum(count - 1 for count in counts.values() if count > 1),
+        "unexpected_groups": sorted(set(trained) - shape.prompt_ids()),
+        "step_sizes": sorted({len(groups) for groups in result.trained.values()}),
+        # Work lost to a kill: committed after the last durable snapshot, generated again.
+        "groups_regenerated": len(regenerated_groups),
+        "siblings_regenerated": sum(count - 1 for count in fresh.values()),
+        "regenerated_after_restore": list(result.regenerated_after_restore),
+        "resumed_steps": [int(event.get("resumed_step", 0)) for event in result.restores],
+        "restored_committed": sum(len(e.get("restored_committed", [])) for e in result.restores),
+        "restored_staged": sum(len(e.get("restored_staged", [])) for e in result.restores),
+    }
+
+
+def leftover_temporaries(checkpoint_dir: Path) -> list[str]:
+    """Interrupted bundle folders the kills left (never selected by a restart)."""
+    found = [p.name for p in checkpoint_dir.iterdir() if ".tmp-" in p.name]
+    for anchor in checkpoint_dir.iterdir():
+        root = anchor / "rollout_snapshots"
+        if root.is_dir():
+            found.extend(f"{anchor.name}/{p.name}" for p in root.iterdir() if ".tmp-" in p.name)
+    return found
+
+
+def dump(report: ChaosReport, path: Path) -> None:
+    payload = {
+        "result": report.result(),
+        "audit": report.audit,
+        "kills": [kill.__dict__ for kill in report.kills],
+    }
+    path.write_text(json.dumps(payload, indent=2))
