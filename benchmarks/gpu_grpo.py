@@ -1,0 +1,759 @@
+"""GRPO on GPUs: ceilings, decode vs the bandwidth floor, training MFU, weight sync, pumps.
+
+Random-init Qwen2 models of real sizes (0.5B, 1.5B; built from a config in code), a synthetic
+GRPO task (the counting prompts behind a 60-token prefix) whose completion lengths follow a
+clipped lognormal long tail (``gpu_common.LongTail``). The controller runs in-process
+(no Ray); the engine runs in the controller's process or in a spawned child process.
+
+Parts (``--part``, several allowed; each prints ``RESULT {json}`` and writes ``<out>/*.json``):
+
+- ``ceilings``: bf16 matrix product (8192³, random data) and device-to-device copy.
+- ``decode``: the engine's decode tokens/s at batch 64 and 256 against plain
+  ``model.generate`` and against the bandwidth floor (weights + KV cache bytes read per
+  decode step ÷ measured copy bandwidth).
+- ``train``: PolicyWorker fwd/bwd + optimizer tokens/s and MFU (6·N·tokens + attention) for
+  0.5B, with and without activation checkpointing.
+- ``sync``: weight-sync seconds for 0.5B and 1.5B: host round trip (export to CPU + load),
+  in-process device copy, CUDA IPC to an engine in another process, and NCCL to an engine on
+  another GPU when there are two.
+- ``grpo``: the controller table: sync (in_order, lookahead 0), async (in_order 1) and
+  streaming (weight_fifo, chunks of a quarter step), each colocated / sharing one GPU in one
+  process / in two processes (CUDA IPC sync) / on two GPUs (NCCL sync) when there are two.
+
+    python benchmarks/gpu_grpo.py --part ceilings decode train sync grpo --out runs/gpu
+    python benchmarks/gpu_grpo.py --size tiny --part decode train sync grpo   # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import inspect
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_common import (
+    EOS_TOKEN_ID,
+    QWEN2_SIZES,
+    EngineHost,
+    LongTail,
+    RemoteObject,
+    build_model_folder,
+    device_plan,
+    make_engine_host,
+)
+
+from tandemrl.config.loader import load_config
+from tandemrl.controller.build import ControllerParts, build_controller
+from tandemrl.controller.weight_sync import DirectWeightSync
+from tandemrl.controller.weight_sync_cuda import (
+    CudaIpcWeightSync,
+    DeviceWeightSync,
+    FlatWeightSender,
+    NcclWeightSync,
+    init_weight_group,
+)
+from tandemrl.envs.counting import CountingEnv
+from tandemrl.records import GenerationRequest
+from tandemrl.rollout.manager import TextCodec
+from tandemrl.training.policy_worker import PolicyWorker
+
+PROMPT_PREFIX_TOKENS = 60
+GOALS = {
+    "decode_speedup_vs_generate": 10.0,
+    "decode_floor_fraction_b256": 0.25,
+    "train_mfu_0.5b": 0.45,
+    "sync_fraction_of_step": 0.05,
+    "async_speedup": 1.5,
+}
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def emit(out: Path, name: str, payload: dict[str, Any]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(payload, indent=1) + "\n")
+    print(f"RESULT {json.dumps({'part': name, **payload})}", flush=True)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---------------------------------------------------------------------- ceilings
+
+
+def part_ceilings(device: torch.device) -> dict[str, float]:
+    size = 8192
+    a, b = (torch.randn(size, size, device=device, dtype=torch.bfloat16) for _ in range(2))
+    times = []
+    for repeat in range(13):
+        synchronize(device)
+        started = time.perf_counter()
+        a @ b
+        synchronize(device)
+        if repeat >= 3:
+            times.append(time.perf_counter() - started)
+    tflops = 2 * size**3 / statistics.median(times) / 1e12
+    del a, b
+    source = torch.randn(2**30, device=device, dtype=torch.float32)  # 4 GiB
+    target = torch.empty_like(source)
+    times = []
+    for repeat in range(13):
+        synchronize(device)
+        started = time.perf_counter()
+        target.copy_(source)
+        synchronize(device)
+        if repeat >= 3:
+            times.append(time.perf_counter() - started)
+    bandwidth = 2 * source.numel() * 4 / statistics.median(times) / 1e12
+    del source, target
+    torch.cuda.empty_cache() if device.type == "cuda" else None
+    return {"bf16_matmul_tflops": tflops, "copy_tb_per_s": bandwidth}
+
+
+# ---------------------------------------------------------------------- decode
+
+
+def kv_bytes_per_token(config: Any, dtype_bytes: int = 2) -> int:
+    head_dim = config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * dtype_bytes
+
+
+async def _engine_decode(
+    host: EngineHost, batch: int, prompt_len: int, new_tokens: int, seed: int
+) -> float:
+    generator = torch.Generator().manual_seed(seed)
+    vocab = host.engine.vocab_size
+    requests = [
+        GenerationRequest(
+            request_id=f"d{seed}-{row}",
+            prompt_token_ids=torch.randint(3, vocab, (prompt_len,), generator=generator).tolist(),
+            max_new_tokens=new_tokens,
+            stop_token_ids=(),
+        )
+        for row in range(batch)
+    ]
+    host.engine.eos_token_ids = frozenset()  # fixed lengths for the measurement
+    started = time.perf_counter()
+    results = await host.generate(requests)
+    elapsed = time.perf_counter() - started
+    tokens = sum(len(result.token_ids) for result in results)
+    return tokens / elapsed
+
+
+def _plain_generate(model: Any, batch: int, prompt_len: int, new_tokens: int) -> float:
+    device = next(model.parameters()).device
+    vocab = model.config.vocab_size
+    input_ids = torch.randint(3, vocab, (batch, prompt_len), device=device)
+    synchronize(device)
+    started = time.perf_counter()
+    with torch.inference_mode():
+        output = model.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            do_sample=True,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            pad_token_id=0,
+        )
+    synchronize(device)
+    return batch * (output.shape[1] - prompt_len) / (time.perf_counter() - started)
+
+
+def part_decode(folder: Path, device: torch.device, args: argparse.Namespace, bw: float) -> dict:
+    host = EngineHost(str(folder), device=str(device), max_batch_size=512, lengths=None)
+    model = host.engine.model
+    config = model.config
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv_token = kv_bytes_per_token(config)
+    rows = []
+
+    async def run() -> None:
+        await _engine_decode(host, 8, args.prompt_len, 8, seed=99)  # warm-up
+        for batch in args.decode_batches:
+            engine_tps = await _engine_decode(host, batch, args.prompt_len, args.new_tokens, batch)
+            plain_tps = _plain_generate(model, batch, args.prompt_len, args.new_tokens)
+            context = args.prompt_len + args.new_tokens / 2
+            step_bytes = weight_bytes + batch * context * kv_token
+            floor_tps = batch / (step_bytes / (bw * 1e12))
+            rows.append(
+                {
+                    "batch": batch,
+                    "engine_tok_s": engine_tps,
+                    "plain_generate_tok_s": plain_tps,
+                    "speedup_vs_generate": engine_tps / plain_tps,
+                    "floor_tok_s": floor_tps,
+                    "engine_floor_fraction": engine_tps / floor_tps,
+                    "step_bytes": step_bytes,
+                }
+            )
+            log(f"decode batch {batch}: {rows[-1]}")
+        await host.shutdown()
+
+    asyncio.run(run())
+    return {
+        "weight_bytes": weight_bytes,
+        "kv_bytes_per_token": kv_token,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "rows": rows,
+    }
+
+
+def _empty_cache(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------- train
+
+
+def training_flops(params: int, config: Any, lengths: list[int]) -> float:
+    """6·N per token (forward + backward, lm_head included) + causal attention 6·L·d·len²."""
+    attention = 6 * config.num_hidden_layers * config.hidden_size * sum(n * n for n in lengths)
+    return 6 * params * sum(lengths) + attention
+
+
+def make_train_batch(lengths: list[int], vocab: int, seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    rows, width = len(lengths), max(lengths)
+    input_ids = torch.zeros(rows, width, dtype=torch.long)
+    attention = torch.zeros(rows, width, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        input_ids[row, :length] = torch.randint(3, vocab, (length,), generator=generator)
+        attention[row, :length] = 1
+    token_mask = attention.float()
+    token_mask[:, :PROMPT_PREFIX_TOKENS] = 0
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention,
+        "token_mask": token_mask,
+        "sample_mask": torch.ones(rows),
+        "advantages": torch.randn(rows, 1, generator=generator).expand(rows, width).contiguous(),
+        "generation_logprobs": -torch.rand(rows, width, generator=generator) * token_mask,
+        "prev_logprobs": -torch.rand(rows, width, generator=generator) * token_mask,
+    }
+
+
+def grpo_config(folder: Path, args: argparse.Namespace, overrides: list[str] = ()) -> Any:
+    n, g = args.prompts_per_step, args.group_size
+    base = [
+        f"policy.model_name={folder}",
+        f"policy.device={'cuda' if torch.cuda.is_available() else 'cpu'}",
+        f"policy.train_global_batch_size={n * g}",
+        f"policy.train_micro_batch_size={args.micro_batch}",
+        f"policy.max_total_sequence_length={PROMPT_PREFIX_TOKENS + 16 + args.length_cap}",
+        f"policy.generation.max_new_tokens={args.length_cap}",
+        "policy.optimizer.lr=1.0e-6",
+        f"grpo.num_prompts_per_step={n}",
+        f"grpo.num_generations_per_prompt={g}",
+        "loss_fn.entropy_coef=0.0",
+    ]
+    return load_config("examples/configs/grpo_tiny_cpu.yaml", (*base, *overrides))
+
+
+def part_train(folder: Path, device: torch.device, args: argparse.Namespace, peak: float) -> dict:
+    rows = []
+    tail = LongTail(median=args.train_len_median, sigma=0.6, minimum=64, cap=args.train_len_cap)
+    lengths = [tail.length(f"t{i}") for i in range(args.train_sequences)]
+    for checkpointing in (False, True):
+        cfg = grpo_config(
+            folder,
+            args,
+            [
+                f"policy.train_micro_batch_size={args.train_micro_batch}",
+                f"policy.max_total_sequence_length={args.train_len_cap}",
+                f"policy.dtensor_cfg.activation_checkpointing={str(checkpointing).lower()}",
+            ],
+        )
+        worker = PolicyWorker(cfg.policy, cfg.loss_fn, model_path=folder)
+        params = sum(p.numel() for p in worker.model.parameters())
+        config = worker.model.config
+        batch = make_train_batch(lengths, config.vocab_size, seed=1)
+
+        async def step(worker: PolicyWorker = worker, batch: dict = batch) -> None:
+            await worker.begin_train_step()
+            await worker.train_microbatches(batch, step_num_sequences=len(lengths))
+            await worker.finish_train_step()
+
+        asyncio.run(step())  # warm-up (allocates optimizer state)
+        synchronize(device)
+        _reset_peak(device)
+        times = []
+        for _ in range(args.train_repeats):
+            started = time.perf_counter()
+            asyncio.run(step())
+            synchronize(device)
+            times.append(time.perf_counter() - started)
+        seconds = statistics.median(times)
+        started = time.perf_counter()
+        asyncio.run(worker.get_logprobs(batch))
+        synchronize(device)
+        logprob_seconds = time.perf_counter() - started
+        flops = training_flops(params, config, lengths)
+        rows.append(
+            {
+                "activation_checkpointing": checkpointing,
+                "params": params,
+                "tokens": sum(lengths),
+                "padded_tokens": _padded_tokens(lengths, args.train_micro_batch),
+                "step_s": seconds,
+                "tokens_per_s": sum(lengths) / seconds,
+                "mfu": flops / seconds / (peak * 1e12),
+                "logprob_tokens_per_s": sum(lengths) / logprob_seconds,
+                "logprob_mfu": flops / 3 / logprob_seconds / (peak * 1e12),
+                "max_memory_gib": _peak_gib(device),
+            }
+        )
+        log(f"train: {rows[-1]}")
+        del worker
+        _empty_cache(device)
+    return {"lengths_mean": statistics.mean(lengths), "sequences": len(lengths), "rows": rows}
+
+
+def _padded_tokens(lengths: list[int], micro: int) -> int:
+    return sum(
+        max(lengths[i : i + micro]) * len(lengths[i : i + micro])
+        for i in range(0, len(lengths), micro)
+    )
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_gib(device: torch.device) -> float:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+
+
+# ---------------------------------------------------------------------- weight sync
+
+
+def _engine_kwargs(folder: Path, device: str, args: argparse.Namespace, lengths: Any) -> dict:
+    return {
+        "model_path": str(folder),
+        "device": device,
+        "max_batch_size": args.max_batch,
+        "lengths": lengths,
+    }
+
+
+async def _time_syncs(sync: Any, repeats: int) -> list[float]:
+    return [await sync.sync(version) for version in range(1, repeats + 1)]
+
+
+def part_sync(folders: dict[str, Path], device: torch.device, args: argparse.Namespace) -> dict:
+    num_gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    rows = []
+    for size, folder in folders.items():
+        rows.append(_sync_one(size, folder, device, args, num_gpus))
+        log(f"sync: {rows[-1]}")
+        _empty_cache(device)
+    return {"rows": rows}
+
+
+class _CpuExporter:
+    """The host round trip of ``DirectWeightSync``: a CPU copy of every tensor."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    async def export_weights(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+
+
+def _sync_one(
+    size: str, folder: Path, device: torch.device, args: argparse.Namespace, num_gpus: int
+) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    from tandemrl.rollout.generation_pool import GenerationPool
+
+    trainer_model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    trainer_model.to(device)
+    sender = FlatWeightSender(trainer_model, torch.bfloat16)
+    row: dict[str, Any] = {"size": size, "bytes": sender.layout.nbytes}
+
+    async def in_process() -> None:
+        host = EngineHost(**_engine_kwargs(folder, str(device), args, None))
+        host_trip = DirectWeightSync(_CpuExporter(trainer_model), GenerationPool([host]))
+        row["host_round_trip_s"] = statistics.median(await _time_syncs(host_trip, 3))
+        device_sync = DeviceWeightSync(sender, [host])
+        row["device_copy_s"] = statistics.median(await _time_syncs(device_sync, 5))
+        engine_params = host.engine.model.state_dict()
+        row["device_copy_max_abs_err"] = max(
+            float((engine_params[name].float() - value.to(torch.bfloat16).float()).abs().max())
+            for name, value in trainer_model.state_dict().items()
+        )
+        await host.shutdown()
+
+    asyncio.run(in_process())
+    _empty_cache(device)
+
+    async def ipc() -> None:
+        remote = RemoteObject(make_engine_host, _engine_kwargs(folder, str(device), args, None))
+        try:
+            await remote.weight_version()  # the child has built its engine
+            sync = CudaIpcWeightSync(sender, [remote])
+            started = time.perf_counter()
+            await sync.sync(0)
+            row["ipc_first_sync_s"] = time.perf_counter() - started  # maps the handle
+            row["ipc_s"] = statistics.median(await _time_syncs(sync, 5))
+            await remote.shutdown()
+        finally:
+            remote.close()
+
+    asyncio.run(ipc())
+    if num_gpus >= 2:
+
+        async def nccl() -> None:
+            remote = RemoteObject(make_engine_host, _engine_kwargs(folder, "cuda:1", args, None))
+            try:
+                await remote.weight_version()
+                await join_group(sender, remote, device)
+                sync = NcclWeightSync(sender, [remote])
+                started = time.perf_counter()
+                await sync.sync(0)
+                row["nccl_first_sync_s"] = time.perf_counter() - started
+                row["nccl_s"] = statistics.median(await _time_syncs(sync, 5))
+                await remote.shutdown()
+            finally:
+                remote.close()
+                torch.distributed.destroy_process_group()
+
+        asyncio.run(nccl())
+    return row
+
+
+async def join_group(sender: FlatWeightSender, engine: Any, device: torch.device) -> None:
+    """Trainer rank 0 and the engine's process rank 1 join one NCCL group (gloo on CPU)."""
+    init = f"tcp://127.0.0.1:{29500 + os.getpid() % 1000}"
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    await asyncio.gather(
+        asyncio.to_thread(
+            init_weight_group,
+            rank=0,
+            world_size=2,
+            init_method=init,
+            backend=backend,
+            device=device,
+        ),
+        engine.join_weight_group(
+            rank=1, world_size=2, init_method=init, backend=backend, layout=sender.layout
+        ),
+    )
+
+
+# ---------------------------------------------------------------------- GRPO
+
+
+MODES: dict[str, list[str]] = {
+    "sync": [
+        "async_rl.sampler={name: in_order, max_lookahead_versions: 0}",
+        "loss_fn.use_importance_sampling_correction=false",
+    ],
+    "async_in_order_1": ["async_rl.sampler={name: in_order, max_lookahead_versions: 1}"],
+    "streaming_weight_fifo": ["async_rl.sampler={name: weight_fifo, max_staleness_versions: 1}"],
+}
+
+
+class TimedTrainer:
+    """Delegates to the policy worker; counts busy seconds and tokens of its coroutine calls."""
+
+    def __init__(self, worker: PolicyWorker) -> None:
+        self._worker = worker
+        self.busy_s = 0.0
+        self.train_tokens = 0
+        self.logprob_tokens = 0
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self._worker, name)
+        if not inspect.iscoroutinefunction(attribute):
+            return attribute
+
+        async def timed(*args: Any, **kwargs: Any) -> Any:
+            if args and isinstance(args[0], dict) and "attention_mask" in args[0]:
+                tokens = int(args[0]["attention_mask"].sum())
+                if name == "train_microbatches":
+                    self.train_tokens += tokens
+                elif name == "get_logprobs":
+                    self.logprob_tokens += tokens
+            started = time.perf_counter()
+            try:
+                return await attribute(*args, **kwargs)
+            finally:
+                self.busy_s += time.perf_counter() - started
+
+        return timed
+
+
+def bench_codec() -> TextCodec:
+    prefix = [3 + (7 * index) % 200 for index in range(PROMPT_PREFIX_TOKENS)]
+    return TextCodec(
+        encode=lambda text: prefix + [3 + ord(ch) % 200 for ch in text],
+        decode=lambda ids: "".join(str(i % 10) for i in ids),
+        eos_token_id=EOS_TOKEN_ID,
+        pad_token_id=0,
+    )
+
+
+def mode_overrides(mode: str, placement: str, args: argparse.Namespace) -> list[str]:
+    n = args.prompts_per_step
+    streaming = mode.startswith("streaming")
+    capacity = n if mode == "sync" else 2 * n
+    overrides = [
+        *MODES[mode],
+        f"async_rl.min_groups_for_streaming_train={n // 4 if streaming and placement != 'colocated' else n}",
+        f"async_rl.max_buffered_rollouts={capacity}",
+        f"async_rl.max_inflight_prompts={capacity}",
+        f"grpo.max_num_steps={args.warmup_steps + args.steps}",
+        f"policy.generation.colocated.enabled={str(placement == 'colocated').lower()}",
+    ]
+    if placement == "two_gpus":
+        overrides.append("policy.generation.colocated.resources.gpus_per_node=1")
+    return overrides
+
+
+def run_grpo(
+    folder: Path, mode: str, placement: str, args: argparse.Namespace, peak: float
+) -> dict:
+    cfg = grpo_config(folder, args, mode_overrides(mode, placement, args))
+    num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if placement != "two_gpus":
+        num_gpus = min(num_gpus, 1)  # the one-GPU placements
+    remote_engine = placement in ("two_processes", "two_gpus")
+    plan = device_plan(cfg, num_gpus=num_gpus, engine_processes=remote_engine)
+    trainer_device = torch.device(plan.trainer_device)
+    if trainer_device.type == "cuda":
+        torch.cuda.set_device(trainer_device)
+    lengths = LongTail(median=args.length_median, sigma=args.length_sigma, cap=args.length_cap)
+    worker = PolicyWorker(cfg.policy, cfg.loss_fn, model_path=folder)
+    trainer = TimedTrainer(worker)
+    sender = FlatWeightSender(worker.model, torch.bfloat16)
+    engine_kwargs = _engine_kwargs(folder, plan.engine_devices[0], args, lengths)
+    remote = RemoteObject(make_engine_host, engine_kwargs) if remote_engine else None
+    engine: Any = remote if remote is not None else EngineHost(**engine_kwargs)
+
+    async def run() -> dict[str, Any]:
+        if plan.transport == "nccl":
+            await join_group(sender, engine, trainer_device)
+            weight_sync: Any = NcclWeightSync(sender, [engine])
+        elif plan.transport == "ipc":
+            weight_sync = CudaIpcWeightSync(sender, [engine])
+        else:
+            weight_sync = DeviceWeightSync(sender, [engine])
+        await weight_sync.sync(0)  # engine starts from the trainer's exact (bf16) weights
+        marks: dict[str, Any] = {}
+
+        async def hook(controller: Any, row: dict[str, float]) -> None:
+            if row["step"] == args.warmup_steps:
+                marks["t0"] = time.perf_counter()
+                marks["trainer0"] = (trainer.busy_s, trainer.train_tokens, trainer.logprob_tokens)
+                marks["engine0"] = await engine.stats()
+
+        parts = ControllerParts(
+            trainer=trainer,
+            engines=[engine],
+            env=CountingEnv(),
+            codec=bench_codec(),
+            weight_sync=weight_sync,
+        )
+        controller = build_controller(cfg, parts, step_hooks=[hook])
+        history = await controller.run()
+        wall = time.perf_counter() - marks["t0"]
+        engine_end = await engine.stats()
+        memory = await engine.max_memory_gib()
+        await engine.shutdown()
+        return {
+            "history": history,
+            "wall": wall,
+            "marks": marks,
+            "engine_end": engine_end,
+            "engine_memory_gib": memory,
+        }
+
+    try:
+        raw = asyncio.run(run())
+    finally:
+        if remote is not None:
+            remote.close()
+        if plan.transport == "nccl":
+            torch.distributed.destroy_process_group()
+    measured = [row for row in raw["history"] if row["step"] > args.warmup_steps]
+    wall = raw["wall"]
+    busy0, train_tokens0, logprob_tokens0 = raw["marks"]["trainer0"]
+    engine0, engine1 = raw["marks"]["engine0"], raw["engine_end"]
+    params = sum(p.numel() for p in worker.model.parameters())
+    train_tokens = trainer.train_tokens - train_tokens0
+    logprob_tokens = trainer.logprob_tokens - logprob_tokens0
+    trainer_busy = trainer.busy_s - busy0
+    flops = 6 * params * train_tokens + 2 * params * logprob_tokens
+    completion_tokens = sum(row["tokens_per_s"] * row["step_time_s"] for row in measured)
+    step_time = statistics.mean(row["step_time_s"] for row in measured)
+    sync_s = statistics.mean(row["weight_sync_s"] for row in measured)
+    decode_busy = engine1["step_busy_s"] - engine0["step_busy_s"]
+    result = {
+        "mode": mode,
+        "placement": placement,
+        "transport": plan.transport,
+        "devices": {"trainer": plan.trainer_device, "engines": plan.engine_devices},
+        "steps": len(measured),
+        "steps_per_s": len(measured) / wall,
+        "completion_tokens_per_s": completion_tokens / wall,
+        "step_time_s": step_time,
+        "weight_sync_s": sync_s,
+        "sync_fraction_of_step": sync_s / step_time,
+        "staleness_mean": statistics.mean(row["staleness_mean"] for row in measured),
+        "reward_mean": statistics.mean(row["reward_mean"] for row in measured),
+        "train_idle_frac": statistics.mean(row["train_idle_frac"] for row in measured),
+        "rollout_idle_frac": statistics.mean(row["rollout_idle_frac"] for row in measured),
+        "trainer_busy_frac": trainer_busy / wall,
+        "decode_busy_frac": decode_busy / wall,
+        "decode_tok_s_while_busy": (engine1["tokens_generated"] - engine0["tokens_generated"])
+        / max(decode_busy, 1e-9),
+        "mean_decode_batch": (engine1["tokens_generated"] - engine0["tokens_generated"])
+        / max(engine1["decode_steps"] - engine0["decode_steps"], 1),
+        "trainer_mfu_while_busy": flops / max(trainer_busy, 1e-9) / (peak * 1e12),
+        "engine_max_memory_gib": raw["engine_memory_gib"],
+    }
+    log(f"grpo {mode} {placement}: {json.dumps(result)}")
+    return result
+
+
+def part_grpo(folder: Path, args: argparse.Namespace, peak: float) -> dict:
+    results = []
+    for placement in args.placements:
+        for mode in args.modes:
+            if placement == "two_gpus" and torch.cuda.device_count() < 2:
+                continue
+            try:
+                results.append(run_grpo(folder, mode, placement, args, peak))
+            except Exception:
+                log(f"grpo {mode} {placement} FAILED:\n{traceback.format_exc()}")
+                results.append(
+                    {"mode": mode, "placement": placement, "error": traceback.format_exc()[-2000:]}
+                )
+    speedups = {}
+    for placement in args.placements:
+        by_mode = {
+            r["mode"]: r for r in results if r["placement"] == placement and "error" not in r
+        }
+        if "sync" in by_mode:
+            base = by_mode["sync"]["steps_per_s"]
+            speedups[placement] = {m: r["steps_per_s"] / base for m, r in by_mode.items()}
+    return {
+        "workload": {
+            "prompts_per_step": args.prompts_per_step,
+            "group_size": args.group_size,
+            "length_median": args.length_median,
+            "length_sigma": args.length_sigma,
+            "length_cap": args.length_cap,
+            "length_mean": LongTail(
+                args.length_median, args.length_sigma, 4, args.length_cap
+            ).mean(),
+            "prompt_tokens": PROMPT_PREFIX_TOKENS + 5,
+        },
+        "rows": results,
+        "speedup_vs_sync": speedups,
+    }
+
+
+# ---------------------------------------------------------------------- main
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--part", nargs="+", default=["ceilings", "decode", "train", "sync", "grpo"]
+    )
+    parser.add_argument("--size", default="0.5b", choices=sorted(QWEN2_SIZES))
+    parser.add_argument("--sync-sizes", nargs="+", default=None)
+    parser.add_argument("--out", type=Path, default=Path("runs/gpu_grpo"))
+    parser.add_argument("--models", type=Path, default=Path(tempfile.gettempdir()) / "gpu_models")
+    parser.add_argument("--decode-batches", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--train-sequences", type=int, default=64)
+    parser.add_argument("--train-micro-batch", type=int, default=16)
+    parser.add_argument("--train-len-median", type=float, default=512)
+    parser.add_argument("--train-len-cap", type=int, default=1024)
+    parser.add_argument("--train-repeats", type=int, default=3)
+    parser.add_argument("--prompts-per-step", type=int, default=16)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--micro-batch", type=int, default=64)
+    parser.add_argument("--max-batch", type=int, default=512)
+    parser.add_argument("--length-median", type=float, default=24)
+    parser.add_argument("--length-sigma", type=float, default=1.0)
+    parser.add_argument("--length-cap", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--warmup-steps", type=int, default=1)
+    parser.add_argument("--modes", nargs="+", default=list(MODES))
+    parser.add_argument(
+        "--placements",
+        nargs="+",
+        default=["colocated", "shared_gpu", "two_processes"],
+        choices=["colocated", "shared_gpu", "two_processes", "two_gpus"],
+    )
+    parser.add_argument("--ceil-tflops", type=float, default=784.0)
+    parser.add_argument("--ceil-tbps", type=float, default=4.22)
+    args = parser.parse_args()
+    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    build_device = "cuda" if device.type == "cuda" else "cpu"
+    folder = build_model_folder(args.size, args.models / f"qwen2-{args.size}", device=build_device)
+    summary: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+        "gpus": torch.cuda.device_count() if device.type == "cuda" else 0,
+        "torch": torch.__version__,
+    }
+    emit(args.out, "env", summary)
+    peak, bandwidth = args.ceil_tflops, args.ceil_tbps
+    for part in args.part:
+        started = time.perf_counter()
+        try:
+            if part == "ceilings":
+                payload = part_ceilings(device)
+                peak, bandwidth = payload["bf16_matmul_tflops"], payload["copy_tb_per_s"]
+            elif part == "decode":
+                payload = part_decode(folder, device, args, bandwidth)
+            elif part == "train":
+                payload = part_train(folder, device, args, peak)
+            elif part == "sync":
+                sizes = args.sync_sizes or [args.size]
+                folders = {
+                    size: build_model_folder(
+                        size, args.models / f"qwen2-{size}", device=build_device
+                    )
+                    for size in sizes
+                }
+                payload = part_sync(folders, device, args)
+            elif part == "grpo":
+                payload = part_grpo(folder, args, peak)
+            else:
+                raise ValueError(f"unknown part {part!r}")
+        except Exception:
+            log(f"part {part} FAILED:\n{traceback.format_exc()}")
+            payload = {"error": traceback.format_exc()[-3000:]}
+        payload["seconds"] = time.perf_counter() - started
+        payload["goals"] = GOALS
+        emit(args.out, part, payload)
+
+
+if __name__ == "__main__":
+    main()
