@@ -64,7 +64,9 @@ def run_mode(mode: str, latency: LatencyModel, train_seconds: float, steps: int)
     async def go() -> list[dict[str, float]]:
         engine = FakeGenerationBackend(latency=latency, seed=7, max_concurrency=CONCURRENCY)
         controller = build_fake_controller(
-            cfg, trainer=FakeTrainer(train_seconds_per_step=train_seconds, record_tensors=False), engines=[engine]
+            cfg,
+            trainer=FakeTrainer(train_seconds_per_step=train_seconds, record_tensors=False),
+            engines=[engine],
         )
         return await controller.run()
 
@@ -88,7 +90,9 @@ def main() -> None:
     ideal = args.seconds
     result: dict[str, float] = {"G_s": args.seconds, "T_s": args.seconds}
     for scenario, latency in scenarios.items():
-        print(f"\nscenario {scenario}: G = T = {args.seconds:.3f} s, ideal max(G, T) = {ideal:.3f} s")
+        print(
+            f"\nscenario {scenario}: G = T = {args.seconds:.3f} s, ideal max(G, T) = {ideal:.3f} s"
+        )
         for mode in MODES:
             step_time = run_mode(mode, latency, args.seconds, args.steps)
             ratio = step_time / ideal
