@@ -389,11 +389,14 @@ def _sync_one(
     trainer_model.to(device)
     sender = FlatWeightSender(trainer_model, torch.bfloat16)
     row: dict[str, Any] = {"size": size, "bytes": sender.layout.nbytes}
+    if args.sync_nccl_only and num_gpus >= 2:
+        asyncio.run(_sync_nccl(row, sender, folder, device, args))
+        return row
 
     async def in_process() -> None:
         host = EngineHost(**_engine_kwargs(folder, str(device), args, None))
         host_trip = DirectWeightSync(_CpuExporter(trainer_model), GenerationPool([host]))
-        row["host_round_trip_s"] = statistics.median(await _time_syncs(host_trip, 3))
+        row["host_round_trip_s"] = statistics.median(await _time_syncs(host_trip, 2))
         device_sync = DeviceWeightSync(sender, [host])
         row["device_copy_s"] = statistics.median(await _time_syncs(device_sync, 5))
         engine_params = host.engine.model.state_dict()
@@ -421,24 +424,30 @@ def _sync_one(
 
     asyncio.run(ipc())
     if num_gpus >= 2:
-
-        async def nccl() -> None:
-            remote = RemoteObject(make_engine_host, _engine_kwargs(folder, "cuda:1", args, None))
-            try:
-                await remote.weight_version()
-                await join_group(sender, remote, device)
-                sync = NcclWeightSync(sender, [remote])
-                started = time.perf_counter()
-                await sync.sync(0)
-                row["nccl_first_sync_s"] = time.perf_counter() - started
-                row["nccl_s"] = statistics.median(await _time_syncs(sync, 5))
-                await remote.shutdown()
-            finally:
-                remote.close()
-                torch.distributed.destroy_process_group()
-
-        asyncio.run(nccl())
+        asyncio.run(_sync_nccl(row, sender, folder, device, args))
     return row
+
+
+async def _sync_nccl(
+    row: dict[str, Any],
+    sender: FlatWeightSender,
+    folder: Path,
+    device: torch.device,
+    args: argparse.Namespace,
+) -> None:
+    remote = RemoteObject(make_engine_host, _engine_kwargs(folder, "cuda:1", args, None))
+    try:
+        await remote.weight_version()
+        await join_group(sender, remote, device)
+        sync = NcclWeightSync(sender, [remote])
+        started = time.perf_counter()
+        await sync.sync(0)
+        row["nccl_first_sync_s"] = time.perf_counter() - started
+        row["nccl_s"] = statistics.median(await _time_syncs(sync, 5))
+        await remote.shutdown()
+    finally:
+        remote.close()
+        torch.distributed.destroy_process_group()
 
 
 async def join_group(sender: FlatWeightSender, engine: Any, device: torch.device) -> None:
@@ -637,7 +646,7 @@ def run_grpo(
 
 
 def part_grpo(folder: Path, args: argparse.Namespace, peak: float) -> dict:
-    results = []
+    results: list[dict[str, Any]] = []
     for placement in args.placements:
         for mode in args.modes:
             if placement == "two_gpus" and torch.cuda.device_count() < 2:
@@ -649,6 +658,8 @@ def part_grpo(folder: Path, args: argparse.Namespace, peak: float) -> dict:
                 results.append(
                     {"mode": mode, "placement": placement, "error": traceback.format_exc()[-2000:]}
                 )
+            # Keep what is done so far should the run be cut off at its time limit.
+            (args.out / "grpo.json").write_text(json.dumps({"partial": results}, indent=1) + "\n")
     speedups = {}
     for placement in args.placements:
         by_mode = {
@@ -684,6 +695,9 @@ def main() -> None:
     )
     parser.add_argument("--size", default="0.5b", choices=sorted(QWEN2_SIZES))
     parser.add_argument("--sync-sizes", nargs="+", default=None)
+    parser.add_argument(
+        "--sync-nccl-only", action="store_true", help="with 2+ GPUs: time only the NCCL sync"
+    )
     parser.add_argument("--out", type=Path, default=Path("runs/gpu_grpo"))
     parser.add_argument("--models", type=Path, default=Path(tempfile.gettempdir()) / "gpu_models")
     parser.add_argument("--decode-batches", type=int, nargs="+", default=[64, 256])
