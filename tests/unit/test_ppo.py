@@ -445,23 +445,33 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+        ),
+    ],
+)
 def test_one_step_with_real_workers_offloads_and_counts_optimizer_steps(
-    tiny_model_dir: Path,
+    tiny_model_dir: Path, device: str
 ) -> None:
     from tandemrl.training.policy_worker import PolicyWorker
     from tandemrl.training.value_worker import ValueWorker
 
     cfg = make_cfg(
         f"policy.model_name={tiny_model_dir}",
+        f"policy.device={device}",
         "ppo.ppo_epochs=3",
         "ppo.critic_ppo_epochs=2",
         "policy.generation.temperature=1.0",
     )
     policy = PolicyWorker(cfg.policy, cfg.loss_fn, seed=0)
-    critic = ValueWorker(cfg.value, cfg.value_loss_fn, model_path=tiny_model_dir, device="cpu")
+    critic = ValueWorker(cfg.value, cfg.value_loss_fn, model_path=tiny_model_dir, device=device)
     runner = PPOStepRunner.from_config(cfg, policy, critic, pad_token_id=0)
     slots, rows = fake_slots_and_rows(4, 2)
-    critic_before = [p.detach().clone() for p in critic.head.parameters()]
+    critic_before = [p.detach().cpu().clone() for p in critic.head.parameters()]
 
     async def step():
         await runner.begin(version=0)
@@ -472,13 +482,13 @@ def test_one_step_with_real_workers_offloads_and_counts_optimizer_steps(
     assert policy.optimizer_steps == 3
     assert critic.optimizer_steps == 2
     assert metrics["optimizer_steps"] == 3 and metrics["critic_optimizer_steps"] == 2
-    # On CPU the offload is a recorded no-op: off before the critic, back for the first update.
+    # Off before the critic, back for the first update (on CPU only recorded, nothing moves).
     assert policy.state()["optimizer_transitions"] == ["offload", "reload"]
     assert policy.optimizer_location == "device"
     # Later epochs move the policy away from prev_logprobs: the ratio is no longer exactly 1.
     assert metrics["ratio_mean"] != pytest.approx(1.0, abs=1e-7)
     assert any(
-        not torch.equal(before, after)
+        not torch.equal(before, after.detach().cpu())
         for before, after in zip(critic_before, critic.head.parameters(), strict=True)
     )
     assert runner.value_trainer is critic
