@@ -202,11 +202,12 @@ def render_text(info: dict[str, Any]) -> str:
         lines.append(f"unfinished groups to redispatch: {len(unfinished)}")
         for group in unfinished:
             staged = group["staged_siblings"]
-            policy = (
-                f"reuses staged siblings {staged}, regenerates the rest"
-                if group["granularity"] == "sibling"
-                else f"regenerates every sibling (discards {len(staged)} staged)"
-            )
+            if not staged:
+                policy = "nothing staged: every sibling is generated"
+            elif group["granularity"] == "sibling":
+                policy = f"reuses staged siblings {staged}, generates the others"
+            else:
+                policy = f"discards {len(staged)} staged sibling(s), regenerates every sibling"
             lines.append(f"  {group['group_id']:<14} {group['granularity']:<12} {policy}")
         lines.append(f"replacement reserve: {resume['replacement_reserve']} prompt(s)")
     if info["candidates"]:

@@ -22,7 +22,7 @@ from tandemrl.checkpoint.fingerprint import (
     fingerprint_digest,
     is_excluded,
 )
-from tandemrl.checkpoint.inspect import describe_checkpoint_dir, inspect_command
+from tandemrl.checkpoint.inspect import describe_checkpoint_dir, inspect_command, render_text
 from tandemrl.checkpoint.layout import (
     DATA_PLANE_DIR,
     DATALOADER,
@@ -46,7 +46,8 @@ from tandemrl.data.dataloader import PromptDataLoader
 from tandemrl.data.dataset import PromptRecord
 from tandemrl.dataplane.base import DataPlaneError
 from tandemrl.generation.fake import FakeGenerationBackend, LatencyModel
-from tandemrl.records import PromptItem
+from tandemrl.records import EnvResult, GenerationResult, PromptItem
+from tandemrl.rollout.ledger import StagedSibling
 from tandemrl.training.fake import FakeTrainer
 
 NUM_PROMPTS = 24
@@ -111,6 +112,21 @@ async def _produce(cfg) -> None:
     with pytest.raises(_Stop):
         await controller.run()
     # The run was cancelled after step 3's checkpoint; its in-flight groups stay in the ledger.
+    # Stage one finished sibling of the first of them (as token capture keeps it).
+    group = controller.rollout_manager.ledger.unfinished()[0]
+    prompt_ids = controller.rollout_manager.codec.encode(group.item.prompt)
+    group.staged[0] = StagedSibling(
+        result=GenerationResult(
+            request_id=f"{group.group_id}/0/a1",
+            prompt_token_ids=prompt_ids,
+            token_ids=prompt_ids[:2],
+            logprobs=[-0.5, -0.25],
+            finish_reason="stop",
+            token_weight_versions=[3, 3],
+            start_weight_version=3,
+        ),
+        env_result=EnvResult(reward=1.0),
+    )
     for _ in range(2):
         assert await controller.checkpointer.attempt_snapshot(controller) is not None
     controller.journal.close()
@@ -527,6 +543,8 @@ def test_describe_reports_what_a_restart_resumes(ckpt):
     for group in resume_info["unfinished_groups"]:
         assert group["granularity"] == "sibling"
         assert group["staged_siblings"] == sorted(recovered[group["group_id"]].staged)
+    assert resume_info["unfinished_groups"][0]["staged_siblings"] == [0]
+    assert "reuses staged siblings [0]" in render_text(info)
     assert resume_info["replacement_reserve"] == 1
     json.dumps(info)  # JSON-able
 
