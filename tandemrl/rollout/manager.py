@@ -44,7 +44,7 @@ from tandemrl.rollout.failures import (
 )
 from tandemrl.rollout.generation_pool import GenerationPool, NoGenerationWorkers
 from tandemrl.rollout.ledger import OwnershipLedger, StagedSibling, UnfinishedGroup
-from tandemrl.training.batch import make_training_row
+from tandemrl.training.batch import make_group_rows
 
 log = logging.getLogger(__name__)
 
@@ -290,28 +290,21 @@ class RolloutManager:
     # ------------------------------------------------------------------ commit / drop
 
     def _rows(self, group: UnfinishedGroup):
-        rows = {}
+        staged = [group.staged[sibling] for sibling in range(self.group_size)]
+        keeps = []
         metas = []
-        for sibling in range(self.group_size):
-            staged = group.staged[sibling]
-            result, env_result = staged.result, staged.env_result
+        for sibling, entry in enumerate(staged):
+            result, env_result = entry.result, entry.env_result
             truncated = result.finish_reason == "length"
-            keep = env_result.keep and not (self.overlong_filtering and truncated)
-            sample_id = f"{group.group_id}/{sibling}"
-            rows[sample_id] = make_training_row(
-                result.prompt_token_ids,
-                result.token_ids,
-                result.logprobs,
-                reward=env_result.reward,
-                sample_mask=1.0 if keep else 0.0,
-            )
+            keep = 1.0 if env_result.keep and not (self.overlong_filtering and truncated) else 0.0
+            keeps.append(keep)
             metas.append(
                 RowMeta(
-                    sample_id=sample_id,
+                    sample_id=f"{group.group_id}/{sibling}",
                     group_id=group.group_id,
                     sibling_index=sibling,
                     reward=float(env_result.reward),
-                    sample_mask=1.0 if keep else 0.0,
+                    sample_mask=keep,
                     num_prompt_tokens=len(result.prompt_token_ids),
                     num_completion_tokens=len(result.token_ids),
                     truncated=truncated,
@@ -319,7 +312,14 @@ class RolloutManager:
                     end_weight_version=result.end_weight_version,
                 )
             )
-        return rows, metas
+        rows = make_group_rows(
+            staged[0].result.prompt_token_ids,
+            [entry.result.token_ids for entry in staged],
+            [entry.result.logprobs for entry in staged],
+            [meta.reward for meta in metas],
+            keeps,
+        )
+        return {meta.sample_id: row for meta, row in zip(metas, rows, strict=True)}, metas
 
     async def _push_and_commit(self, group: UnfinishedGroup) -> None:
         rows, metas = self._rows(group)

@@ -86,6 +86,53 @@ def make_training_row(
     }
 
 
+def make_group_rows(
+    prompt_ids: Sequence[int],
+    completions: Sequence[Sequence[int]],
+    completion_logprobs: Sequence[Sequence[float]],
+    rewards: Sequence[float],
+    sample_masks: Sequence[float],
+) -> list[dict[str, torch.Tensor]]:
+    """The rows of one prompt group (same prompt), equal to ``make_training_row`` per sibling.
+
+    When every completion has the same length — the common case, e.g. all hit
+    ``max_new_tokens`` — each field is built once for the whole group and split into per-row
+    views, a quarter of the tensor constructions of building the rows one by one.
+    """
+    lengths = {len(c) for c in completions}
+    if len(lengths) != 1 or any(
+        len(lp) != len(c) for lp, c in zip(completion_logprobs, completions, strict=True)
+    ):
+        return [
+            make_training_row(prompt_ids, c, lp, reward=r, sample_mask=m)
+            for c, lp, r, m in zip(
+                completions, completion_logprobs, rewards, sample_masks, strict=True
+            )
+        ]
+    prompt = list(prompt_ids)
+    if not prompt:
+        raise BatchError("a training row needs at least one prompt token")
+    num_prompt, num_completion = len(prompt), lengths.pop()
+    input_ids = torch.tensor([prompt + list(c) for c in completions], dtype=torch.long).unbind(0)
+    padding = [0.0] * num_prompt
+    logprobs = torch.tensor(
+        [padding + list(lp) for lp in completion_logprobs], dtype=torch.float32
+    ).unbind(0)
+    token_mask = torch.tensor(padding + [1.0] * num_completion, dtype=torch.float32)
+    reward = torch.tensor(list(rewards), dtype=torch.float32).unbind(0)
+    sample_mask = torch.tensor(list(sample_masks), dtype=torch.float32).unbind(0)
+    return [
+        {
+            "input_ids": input_ids[i],
+            "token_mask": token_mask,  # identical for every sibling; rows never mutate it
+            "generation_logprobs": logprobs[i],
+            "reward": reward[i],
+            "sample_mask": sample_mask[i],
+        }
+        for i in range(len(completions))
+    ]
+
+
 def _check_row(index: int, row: Mapping[str, torch.Tensor]) -> int:
     missing = [key for key in REQUIRED_ROW_KEYS if key not in row]
     if missing:

@@ -79,3 +79,21 @@ def test_split_microbatches_and_trim() -> None:
     assert trimmed["reward"].shape == (2,)
     with pytest.raises(BatchError, match=">= 1"):
         split_microbatches(batch, 0)
+
+
+def test_group_rows_equal_rows_built_one_by_one():
+    from tandemrl.training.batch import make_group_rows
+
+    prompt = [5, 6, 7]
+    for completions in ([[1, 2], [3, 4], [5, 1]], [[1], [3, 4, 2], [5, 1]]):  # equal and ragged
+        logprobs = [[-0.5 * (i + j) for j in range(len(c))] for i, c in enumerate(completions)]
+        rewards, masks = [0.0, 1.0, 0.5], [1.0, 0.0, 1.0]
+        grouped = make_group_rows(prompt, completions, logprobs, rewards, masks)
+        one_by_one = [
+            make_training_row(prompt, c, lp, reward=r, sample_mask=m)
+            for c, lp, r, m in zip(completions, logprobs, rewards, masks, strict=True)
+        ]
+        for got, want in zip(grouped, one_by_one, strict=True):
+            assert got.keys() == want.keys()
+            for key in want:
+                torch.testing.assert_close(got[key], want[key])

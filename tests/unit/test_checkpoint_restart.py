@@ -92,10 +92,26 @@ def test_interrupted_runs_train_every_prompt_exactly_once(tmp_path, granularity)
 
 
 def test_resume_continues_step_numbering_and_weights_version(tmp_path):
-    cfg = make_cfg(tmp_path / "ckpt")
-    asyncio.run(one_attempt(cfg, stop_after_s=0.15, seed=0))
+    first = make_cfg(tmp_path / "ckpt", "grpo.max_num_steps=3")
+    assert asyncio.run(one_attempt(first, stop_after_s=30, seed=0))
     steps = list_step_dirs(tmp_path / "ckpt")
-    assert steps, "no trainer checkpoint was written"
-    plan = plan_restore(cfg)
-    assert plan.trainer_dir == steps[-1][1]
-    assert plan.step == steps[-1][0]
+    assert [step for step, _ in steps][-1] == 3
+    plan = plan_restore(first)
+    assert plan.trainer_dir == steps[-1][1] and plan.step == 3
+
+    async def resumed_run():
+        controller = build_fake_controller(
+            make_cfg(tmp_path / "ckpt", "grpo.max_num_steps=5"),
+            trainer=FakeTrainer(),
+            engines=[FakeGenerationBackend(seed=1)],
+            dataloader=make_loader(),
+        )
+        await resume(controller, plan)
+        assert controller.state.step == 3 and controller.trainer_version == 3
+        history = await controller.run()
+        controller.journal.close()
+        return history, controller
+
+    history, controller = asyncio.run(resumed_run())
+    assert [row["step"] for row in history] == [4, 5]
+    assert controller.trainer.optimizer_steps == 5  # the fake trainer's own state was restored
