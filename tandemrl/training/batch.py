@@ -172,7 +172,11 @@ def collate_rows(rows: list[dict[str, torch.Tensor]], pad_token_id: int) -> Trai
         ):
             if any(v.numel() != 1 for v in values):
                 raise BatchError(f"field {key!r} must hold one value per row")
-            batch[key] = torch.stack([v.reshape(()) for v in values]).to(torch.float32)
+            scalars = (
+                values if all(v.dim() == 0 for v in values) else [v.reshape(()) for v in values]
+            )
+            stacked = torch.stack(scalars)
+            batch[key] = stacked if stacked.dtype == torch.float32 else stacked.to(torch.float32)
             continue
         if key in BROADCASTABLE_KEYS:
             values = [
@@ -191,7 +195,9 @@ def collate_rows(rows: list[dict[str, torch.Tensor]], pad_token_id: int) -> Trai
             batch[key] = pad_sequence(values, batch_first=True, padding_value=pad_token_id).long()
         else:
             batch[key] = pad_sequence(
-                [v.to(torch.float32) for v in values], batch_first=True, padding_value=0.0
+                [v if v.dtype == torch.float32 else v.to(torch.float32) for v in values],
+                batch_first=True,
+                padding_value=0.0,
             )
     positions = torch.arange(max_len)
     batch["attention_mask"] = (positions[None, :] < torch.tensor(lengths)[:, None]).long()

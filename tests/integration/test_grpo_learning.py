@@ -24,7 +24,12 @@ def metrics(log_dir: Path) -> list[dict]:
 def test_reward_rises_on_the_counting_task(ray_session, tmp_path):
     cfg = load_config(
         "examples/configs/grpo_tiny_cpu.yaml",
-        ("grpo.max_num_steps=160", f"logger.log_dir={tmp_path}", "logger.tensorboard=false", "logger.progress=false"),
+        (
+            "grpo.max_num_steps=160",
+            f"logger.log_dir={tmp_path}",
+            "logger.tensorboard=false",
+            "logger.progress=false",
+        ),
     )
     assert run_training(cfg) == 0
     rows = metrics(tmp_path)
@@ -43,7 +48,12 @@ def test_sync_mode_generator_always_holds_the_trainers_weights(ray_session, tmp_
     step a stale generator would give weights far from 1)."""
     cfg = load_config(
         "examples/configs/grpo_tiny_cpu_sync.yaml",
-        ("grpo.max_num_steps=12", f"logger.log_dir={tmp_path}", "logger.tensorboard=false", "logger.progress=false"),
+        (
+            "grpo.max_num_steps=12",
+            f"logger.log_dir={tmp_path}",
+            "logger.tensorboard=false",
+            "logger.progress=false",
+        ),
     )
     assert run_training(cfg) == 0
     rows = metrics(tmp_path)
@@ -58,7 +68,12 @@ def test_sync_mode_generator_always_holds_the_trainers_weights(ray_session, tmp_
 def test_async_rows_carry_the_older_weights_that_produced_them(ray_session, tmp_path):
     cfg = load_config(
         "examples/configs/grpo_tiny_cpu.yaml",
-        ("grpo.max_num_steps=12", f"logger.log_dir={tmp_path}", "logger.tensorboard=false", "logger.progress=false"),
+        (
+            "grpo.max_num_steps=12",
+            f"logger.log_dir={tmp_path}",
+            "logger.tensorboard=false",
+            "logger.progress=false",
+        ),
     )
     assert run_training(cfg) == 0
     rows = metrics(tmp_path)
@@ -71,7 +86,12 @@ def test_async_rows_carry_the_older_weights_that_produced_them(ray_session, tmp_
 def test_colocated_torch_generation_trains(ray_session, tmp_path):
     cfg = load_config(
         "examples/configs/grpo_tiny_cpu_colocated.yaml",
-        ("grpo.max_num_steps=6", f"logger.log_dir={tmp_path}", "logger.tensorboard=false", "logger.progress=false"),
+        (
+            "grpo.max_num_steps=6",
+            f"logger.log_dir={tmp_path}",
+            "logger.tensorboard=false",
+            "logger.progress=false",
+        ),
     )
     assert run_training(cfg) == 0
     rows = metrics(tmp_path)

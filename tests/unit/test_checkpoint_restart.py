@@ -53,7 +53,10 @@ async def one_attempt(cfg, *, stop_after_s: float | None, seed: int) -> bool:
     """Run until done or interrupted after ``stop_after_s``; return True when it finished."""
     engine = FakeGenerationBackend(latency=LatencyModel("uniform", low=0.0, high=0.004), seed=seed)
     controller = build_fake_controller(
-        cfg, trainer=FakeTrainer(train_seconds_per_step=0.002), engines=[engine], dataloader=make_loader()
+        cfg,
+        trainer=FakeTrainer(train_seconds_per_step=0.002),
+        engines=[engine],
+        dataloader=make_loader(),
     )
     await resume(controller, plan_restore(cfg))
     try:
@@ -85,7 +88,9 @@ def test_interrupted_runs_train_every_prompt_exactly_once(tmp_path, granularity)
     trained = result.trained_groups()
     assert len(trained) == len(set(trained)), "a group was trained twice"
     assert set(trained) == all_prompt_ids(), "a prompt was lost"
-    assert sorted(result.trained) == list(range(1, len(result.trained) + 1)), "step numbering has a gap"
+    assert sorted(result.trained) == list(range(1, len(result.trained) + 1)), (
+        "step numbering has a gap"
+    )
     assert result.attempts == 5
     # work restored from disk (committed groups, staged siblings) is never generated again
     assert result.regenerated_after_restore == []

@@ -79,11 +79,15 @@ def test_accepted_configs_finish_and_keep_every_invariant(cfg, seed, sigma):
         return item
 
     loader.next_item = recording_next  # type: ignore[method-assign]
-    engine = FakeGenerationBackend(latency=LatencyModel("lognormal", seconds=0.002, sigma=sigma), seed=seed)
+    engine = FakeGenerationBackend(
+        latency=LatencyModel("lognormal", seconds=0.002, sigma=sigma), seed=seed
+    )
     peaks = {"buffer": 0, "inflight": 0}
 
     async def go():
-        controller = build_fake_controller(cfg, trainer=FakeTrainer(), engines=[engine], dataloader=loader)
+        controller = build_fake_controller(
+            cfg, trainer=FakeTrainer(), engines=[engine], dataloader=loader
+        )
         notify = controller._notify
 
         def probing_notify():
@@ -110,7 +114,9 @@ def test_accepted_configs_finish_and_keep_every_invariant(cfg, seed, sigma):
     assert peaks["buffer"] <= cfg.async_rl.max_buffered_rollouts
     assert peaks["inflight"] <= cfg.async_rl.max_inflight_prompts
 
-    evicted_or_aborted = sum(row["evicted_groups"] + row["aborted_groups"] for row in controller.history)
+    evicted_or_aborted = sum(
+        row["evicted_groups"] + row["aborted_groups"] for row in controller.history
+    )
     if sampler_cfg.name != "windowed":
         assert evicted_or_aborted == 0
     buffered = {slot.group_id for slot in controller.buffer.live_groups()}

@@ -69,7 +69,9 @@ def run(cfg, *, env=None, engines=None, trainer=None, num_prompts=16, timeout=30
     trainer = trainer or FakeTrainer()
 
     async def go():
-        controller = build_fake_controller(cfg, trainer=trainer, engines=engines, dataloader=loader(num_prompts))
+        controller = build_fake_controller(
+            cfg, trainer=trainer, engines=engines, dataloader=loader(num_prompts)
+        )
         if env is not None:
             controller.rollout_manager.env = env
         try:
@@ -95,13 +97,18 @@ def test_data_failure_under_sibling_regenerates_only_the_failed_sibling():
     assert sorted(trained_ids(controller)) == sorted(f"e0-i{i}" for i in range(16))
     assert controller.rollout_manager.generated_siblings == 16 * G + 1
     failures = controller.rollout_manager.budgets.failures
-    assert [(f.prompt_id, f.sibling_index, f.kind) for f in failures] == [("e0-i0", 1, FailureKind.DATA)]
+    assert [(f.prompt_id, f.sibling_index, f.kind) for f in failures] == [
+        ("e0-i0", 1, FailureKind.DATA)
+    ]
     assert "reward function broke" in failures[0].cause
 
 
 def test_data_failure_under_prompt_group_regenerates_the_whole_group():
-    cfg = make_cfg("async_rl.rollout_failure.max_data_retries=2", "rollout_recovery.default_granularity=prompt_group",
-                   "token_capture.enabled=true")
+    cfg = make_cfg(
+        "async_rl.rollout_failure.max_data_retries=2",
+        "rollout_recovery.default_granularity=prompt_group",
+        "token_capture.enabled=true",
+    )
     env = FlakyEnv({"e0-i0": {2}})
     controller = run(cfg, env=env)
     assert controller.rollout_manager.generated_siblings == 16 * G + G
@@ -109,16 +116,23 @@ def test_data_failure_under_prompt_group_regenerates_the_whole_group():
 
 
 def test_task_source_override_picks_the_granularity():
-    cfg = make_cfg("token_capture.enabled=true", "rollout_recovery.task_source_granularity_overrides={math: prompt_group}")
+    cfg = make_cfg(
+        "token_capture.enabled=true",
+        "rollout_recovery.task_source_granularity_overrides={math: prompt_group}",
+    )
     from tandemrl.records import PromptItem
     from tandemrl.rollout.ledger import resolve_granularity
 
     item = PromptItem("p", 0, 0, "1=", task_source="math", agent_ref="agent-a")
     assert resolve_granularity(item, cfg.rollout_recovery) == "prompt_group"
-    cfg2 = make_cfg("token_capture.enabled=true",
-                    "rollout_recovery.task_source_granularity_overrides={math: prompt_group}",
-                    "rollout_recovery.agent_granularity_overrides={agent-a: sibling}")
-    assert resolve_granularity(item, cfg2.rollout_recovery) == "sibling"  # agent wins over task source
+    cfg2 = make_cfg(
+        "token_capture.enabled=true",
+        "rollout_recovery.task_source_granularity_overrides={math: prompt_group}",
+        "rollout_recovery.agent_granularity_overrides={agent-a: sibling}",
+    )
+    assert (
+        resolve_granularity(item, cfg2.rollout_recovery) == "sibling"
+    )  # agent wins over task source
 
 
 # ---------------------------------------------------------------- budgets
@@ -220,7 +234,7 @@ def test_generation_timeout_is_an_infrastructure_failure():
         "async_rl.rollout_failure.max_infra_retries=0",
     )
     slow = FakeGenerationBackend(latency=LatencyModel("fixed", seconds=1.0), seed=0)
-    with pytest.raises(FailureBudgetExceeded, match="generation_timeout_s=0.05"):
+    with pytest.raises(FailureBudgetExceeded, match=r"generation_timeout_s=0\.05"):
         run(cfg, engines=[slow])
 
 
@@ -284,7 +298,9 @@ def test_windowed_aborts_in_flight_groups_that_can_never_train():
         "async_rl.min_groups_for_streaming_train=1",
         "grpo.max_num_epochs=1",
     )
-    engine = FakeGenerationBackend(latency=LatencyModel("lognormal", seconds=0.01, sigma=1.5), seed=3)
+    engine = FakeGenerationBackend(
+        latency=LatencyModel("lognormal", seconds=0.01, sigma=1.5), seed=3
+    )
     controller = run(cfg, engines=[engine], num_prompts=64)
     assert sum(row["aborted_groups"] for row in controller.history) > 0
     assert all(row["staleness_max"] == 0 for row in controller.history)
