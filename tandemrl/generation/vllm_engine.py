@@ -44,6 +44,7 @@ refused by config validation.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import os
@@ -461,6 +462,13 @@ class VllmGenerationEngine(GenerationBackend):
     async def _shutdown(self) -> None:
         if self._inflight:
             await self._llm.abort(list(self._inflight))
+        # Stop reading outputs first: otherwise the reader sees the engine process go away
+        # and logs an EngineDeadError for what is a requested shutdown.
+        handler = getattr(self._llm, "output_handler", None)
+        if handler is not None and not handler.done():
+            handler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await handler
         # Blocking (joins the engine process); not on the loop's critical path any more.
         await asyncio.to_thread(self._llm.shutdown)
         self._llm = None
