@@ -17,8 +17,8 @@ Kill points, detected from outside by polling the checkpoint directory and the r
 - ``trainer_checkpoint_write``: a ``.step_N.tmp-*`` folder exists (N at least two steps past
   the resumed one, so a previous checkpoint of this attempt exists).
 - ``snapshot_write``: a ``.snapshot_*.tmp-*`` folder exists under an anchor.
-- ``random``: a seeded delay after the attempt's controller started (or, sometimes, after
-  the process started: a kill during start-up).
+- ``random``: a seeded delay (0-4 s) after the attempt's first committed group, or (one time
+  in four) 2-45 s after the process started: a kill during start-up or restore.
 
 ``audit`` replays the journal (``tandemrl.checkpoint.journal.lineage``) into the proof.
 """
@@ -123,6 +123,7 @@ class ChaosReport:
             "kill_points": [kill.point for kill in self.kills],
             "attempts": self.attempts,
             "final_returncode": self.final_returncode,
+            "stragglers_killed": self.stragglers_killed,
             "wall_s": round(self.wall_s, 1),
             **{
                 key: self.audit[key]
@@ -310,15 +311,15 @@ class KillPoint:
     def __init__(self, point: str, rng: random.Random) -> None:
         self.point = point
         self.delay_from_process_start: float | None = None
-        self.delay_from_controller_start: float | None = None
-        self.controller_started_at: float | None = None
+        self.delay_from_generating: float | None = None
+        self.generating_since: float | None = None
         self.first_trained_at: float | None = None
         self.after_first_step_s = rng.uniform(0.05, 0.4)
         if point == "random":
             if rng.random() < 0.25:
                 self.delay_from_process_start = rng.uniform(2.0, 45.0)
             else:
-                self.delay_from_controller_start = rng.uniform(0.0, 6.0)
+                self.delay_from_generating = rng.uniform(0.0, 4.0)
 
     def ready(self, attempt: Attempt, observer: Observer) -> str | None:
         if self.point == "random" and self.delay_from_process_start is not None:
@@ -343,13 +344,15 @@ class KillPoint:
         if start is None:
             return None
         now = time.monotonic()
-        if self.controller_started_at is None:
-            self.controller_started_at = now
         trained = [event for event in after if event["event"] == "trained"]
         if self.point == "random":
-            assert self.delay_from_controller_start is not None
-            if now - self.controller_started_at >= self.delay_from_controller_start:
-                return f"{self.delay_from_controller_start:.2f} s after the controller started"
+            assert self.delay_from_generating is not None
+            if self.generating_since is None and any(e["event"] == "generated" for e in after):
+                self.generating_since = now
+            if self.generating_since is not None and (
+                now - self.generating_since >= self.delay_from_generating
+            ):
+                return f"{self.delay_from_generating:.2f} s after this attempt's first commit"
             return None
         if self.point == "mid_generation":
             if trained and self.first_trained_at is None:

@@ -619,3 +619,12 @@ def test_a_later_write_sweeps_the_folders_of_interrupted_writes(ckpt):
     asyncio.run(run_one_more_step())
     assert not stale_step.exists()
     assert (ckpt / "step_4" / MANIFEST).is_file()
+
+
+def test_inspect_an_empty_directory_and_an_invalid_config(tmp_path, capsys):
+    info = describe_checkpoint_dir(tmp_path / "nothing-here")
+    assert info["outcome"] == "fresh" and not info["exists"] and info["candidates"] == []
+    assert inspect_command(str(tmp_path / "nothing-here")) == 0
+    assert "fresh start" in capsys.readouterr().out
+    assert main(["inspect", str(tmp_path), "--config", EXEMPLAR, "grpo.no_such_key=1"]) == 2
+    assert "grpo.no_such_key" in capsys.readouterr().err
