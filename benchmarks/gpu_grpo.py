@@ -31,6 +31,7 @@ import asyncio
 import inspect
 import json
 import os
+import socket
 import statistics
 import sys
 import tempfile
@@ -301,6 +302,8 @@ def part_train(folder: Path, device: torch.device, args: argparse.Namespace, pea
             synchronize(device)
             times.append(time.perf_counter() - started)
         seconds = statistics.median(times)
+        asyncio.run(worker.get_logprobs(batch))  # warm-up of the no-grad path
+        synchronize(device)
         started = time.perf_counter()
         asyncio.run(worker.get_logprobs(batch))
         synchronize(device)
@@ -327,6 +330,7 @@ def part_train(folder: Path, device: torch.device, args: argparse.Namespace, pea
 
 
 def _padded_tokens(lengths: list[int], micro: int) -> int:
+    lengths = sorted(lengths, reverse=True)  # the worker sorts rows by length
     return sum(
         max(lengths[i : i + micro]) * len(lengths[i : i + micro])
         for i in range(0, len(lengths), micro)
@@ -452,7 +456,10 @@ async def _sync_nccl(
 
 async def join_group(sender: FlatWeightSender, engine: Any, device: torch.device) -> None:
     """Trainer rank 0 and the engine's process rank 1 join one NCCL group (gloo on CPU)."""
-    init = f"tcp://127.0.0.1:{29500 + os.getpid() % 1000}"
+    with socket.socket() as probe:  # a fresh port per group: the last one may linger
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    init = f"tcp://127.0.0.1:{port}"
     backend = "nccl" if device.type == "cuda" else "gloo"
     await asyncio.gather(
         asyncio.to_thread(
