@@ -105,6 +105,7 @@ class Kill:
     seconds_after_start: float
     trained_steps_seen: int  # trained events in the journal at the kill
     detail: str = ""
+    processes: int = 0  # processes of the run (driver, Ray daemons, workers) killed
 
 
 @dataclass
@@ -217,6 +218,9 @@ class Attempt:
         if force or time.monotonic() - self._pids_at > PID_REFRESH_S:
             self._pids = _marked_pids(self.marker)
             self._pids_at = time.monotonic()
+
+    def pids(self) -> set[int]:
+        return set(self._pids)
 
     def kill_everything(self, timeout_s: float = 30.0) -> int:
         """SIGKILL the process group and every marked process; return the stragglers killed."""
@@ -438,10 +442,17 @@ def run_with_kills(
             )
             break
         trained_seen = sum(event["event"] == "trained" for event in observer.events())
+        processes = len(attempt.pids())
         report.stragglers_killed += attempt.kill_everything()
         pending.pop(0)
         kill = Kill(
-            attempt.index, point.point, hit, round(attempt.elapsed(), 2), trained_seen, detail
+            attempt.index,
+            point.point,
+            hit,
+            round(attempt.elapsed(), 2),
+            trained_seen,
+            detail,
+            processes,
         )
         report.kills.append(kill)
         log(f"kill {len(report.kills)}: {kill}")
