@@ -349,8 +349,12 @@ class DevicePlan:
 
 
 def device_plan(cfg: Any, *, num_gpus: int, engine_processes: bool) -> DevicePlan:
-    """Colocated: everything on GPU 0. Otherwise the first ``gpus_per_node`` GPUs generate
-    (one engine each) and the next one trains; with one GPU, both share it."""
+    """Colocated: everything on GPU 0. Otherwise GPU 0 trains and the next ``gpus_per_node``
+    GPUs generate (one engine each); with one GPU, both share it.
+
+    The trainer takes GPU 0 because the policy worker runs on "cuda", which every one of its
+    executor threads resolves to the thread's current device, GPU 0 unless set otherwise.
+    """
     colocated = cfg.policy.generation.colocated
     if num_gpus == 0:
         return DevicePlan("cpu", ["cpu"], "ipc" if engine_processes else "device")
@@ -360,8 +364,8 @@ def device_plan(cfg: Any, *, num_gpus: int, engine_processes: bool) -> DevicePla
     if not 1 <= generation_gpus < num_gpus:
         raise ValueError(
             f"policy.generation.colocated.resources.gpus_per_node={generation_gpus}: non-colocated "
-            f"generation needs between 1 and {num_gpus - 1} GPUs (the next one trains)"
+            f"generation needs between 1 and {num_gpus - 1} GPUs (GPU 0 trains)"
         )
-    engines = [f"cuda:{index}" for index in range(generation_gpus)]
+    engines = [f"cuda:{index}" for index in range(1, generation_gpus + 1)]
     # Engines in this process read the trainer's buffer by peer copy; others join NCCL.
-    return DevicePlan(f"cuda:{generation_gpus}", engines, "nccl" if engine_processes else "device")
+    return DevicePlan("cuda:0", engines, "nccl" if engine_processes else "device")

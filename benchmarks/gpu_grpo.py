@@ -442,7 +442,7 @@ async def _sync_nccl(
     remote = RemoteObject(make_engine_host, _engine_kwargs(folder, "cuda:1", args, None))
     try:
         await remote.weight_version()
-        await join_group(sender, remote, device)
+        await join_group(sender, [remote], device)
         sync = NcclWeightSync(sender, [remote])
         started = time.perf_counter()
         await sync.sync(0)
@@ -454,24 +454,33 @@ async def _sync_nccl(
         torch.distributed.destroy_process_group()
 
 
-async def join_group(sender: FlatWeightSender, engine: Any, device: torch.device) -> None:
-    """Trainer rank 0 and the engine's process rank 1 join one NCCL group (gloo on CPU)."""
+async def join_group(sender: FlatWeightSender, engines: list[Any], device: torch.device) -> None:
+    """The trainer (rank 0) and each engine's process (ranks 1..n) join one NCCL group
+    (gloo on CPU)."""
     with socket.socket() as probe:  # a fresh port per group: the last one may linger
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     init = f"tcp://127.0.0.1:{port}"
     backend = "nccl" if device.type == "cuda" else "gloo"
+    world_size = 1 + len(engines)
     await asyncio.gather(
         asyncio.to_thread(
             init_weight_group,
             rank=0,
-            world_size=2,
+            world_size=world_size,
             init_method=init,
             backend=backend,
             device=device,
         ),
-        engine.join_weight_group(
-            rank=1, world_size=2, init_method=init, backend=backend, layout=sender.layout
+        *(
+            engine.join_weight_group(
+                rank=rank,
+                world_size=world_size,
+                init_method=init,
+                backend=backend,
+                layout=sender.layout,
+            )
+            for rank, engine in enumerate(engines, start=1)
         ),
     )
 
@@ -546,6 +555,14 @@ def mode_overrides(mode: str, placement: str, args: argparse.Namespace) -> list[
     return overrides
 
 
+async def engine_stats(engines: list[Any]) -> dict[str, float]:
+    """Counters summed over engines; ``step_busy_s`` is averaged (a busy fraction per engine)."""
+    each = [await engine.stats() for engine in engines]
+    total = {key: sum(stats[key] for stats in each) for key in each[0]}
+    total["step_busy_s"] /= len(each)
+    return total
+
+
 def run_grpo(
     folder: Path, mode: str, placement: str, args: argparse.Namespace, peak: float
 ) -> dict:
@@ -562,30 +579,36 @@ def run_grpo(
     worker = PolicyWorker(cfg.policy, cfg.loss_fn, model_path=folder)
     trainer = TimedTrainer(worker)
     sender = FlatWeightSender(worker.model, torch.bfloat16)
-    engine_kwargs = _engine_kwargs(folder, plan.engine_devices[0], args, lengths)
-    remote = RemoteObject(make_engine_host, engine_kwargs) if remote_engine else None
-    engine: Any = remote if remote is not None else EngineHost(**engine_kwargs)
+    engines: list[Any] = []
+    remotes: list[RemoteObject] = []
+    for engine_device in plan.engine_devices:
+        engine_kwargs = _engine_kwargs(folder, engine_device, args, lengths)
+        if remote_engine:
+            remotes.append(RemoteObject(make_engine_host, engine_kwargs))
+            engines.append(remotes[-1])
+        else:
+            engines.append(EngineHost(**engine_kwargs))
 
     async def run() -> dict[str, Any]:
         if plan.transport == "nccl":
-            await join_group(sender, engine, trainer_device)
-            weight_sync: Any = NcclWeightSync(sender, [engine])
+            await join_group(sender, engines, trainer_device)
+            weight_sync: Any = NcclWeightSync(sender, engines)
         elif plan.transport == "ipc":
-            weight_sync = CudaIpcWeightSync(sender, [engine])
+            weight_sync = CudaIpcWeightSync(sender, engines)
         else:
-            weight_sync = DeviceWeightSync(sender, [engine])
-        await weight_sync.sync(0)  # engine starts from the trainer's exact (bf16) weights
+            weight_sync = DeviceWeightSync(sender, engines)
+        await weight_sync.sync(0)  # engines start from the trainer's exact (bf16) weights
         marks: dict[str, Any] = {}
 
         async def hook(controller: Any, row: dict[str, float]) -> None:
             if row["step"] == args.warmup_steps:
                 marks["t0"] = time.perf_counter()
                 marks["trainer0"] = (trainer.busy_s, trainer.train_tokens, trainer.logprob_tokens)
-                marks["engine0"] = await engine.stats()
+                marks["engine0"] = await engine_stats(engines)
 
         parts = ControllerParts(
             trainer=trainer,
-            engines=[engine],
+            engines=engines,
             env=CountingEnv(),
             codec=bench_codec(),
             weight_sync=weight_sync,
@@ -593,9 +616,10 @@ def run_grpo(
         controller = build_controller(cfg, parts, step_hooks=[hook])
         history = await controller.run()
         wall = time.perf_counter() - marks["t0"]
-        engine_end = await engine.stats()
-        memory = await engine.max_memory_gib()
-        await engine.shutdown()
+        engine_end = await engine_stats(engines)
+        memory = max([await engine.max_memory_gib() for engine in engines])
+        for engine in engines:
+            await engine.shutdown()
         return {
             "history": history,
             "wall": wall,
@@ -607,7 +631,7 @@ def run_grpo(
     try:
         raw = asyncio.run(run())
     finally:
-        if remote is not None:
+        for remote in remotes:
             remote.close()
         if plan.transport == "nccl":
             torch.distributed.destroy_process_group()
