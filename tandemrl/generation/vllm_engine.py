@@ -362,13 +362,22 @@ class VllmGenerationEngine(GenerationBackend):
             raise ValueError(f"request ids {clashing[:5]} are already in flight on this engine")
         # Registered before any await: an abort scheduled right after this call finds them.
         self._inflight.update(request_ids)
+        tasks = [asyncio.ensure_future(self._one(*item)) for item in prepared]
         try:
-            return list(await asyncio.gather(*(self._one(*item) for item in prepared)))
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            # gather leaves the siblings of a failed request running: stop them (each aborts
+            # its vLLM request when cancelled), wait until they have, then re-raise.
+            for task in tasks:
+                task.cancel()
+            await asyncio.wait(tasks)
+            raise
         finally:
             self._inflight.difference_update(request_ids)
             self._abort_requested.difference_update(request_ids)
 
     async def _one(self, request: GenerationRequest, prompt: Any, params: Any) -> GenerationResult:
+        from vllm.exceptions import VLLMClientError
         from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
         request_id = request.request_id
@@ -387,6 +396,9 @@ class VllmGenerationEngine(GenerationBackend):
             if collector is not None:
                 await self._llm.abort(request_id)
             raise
+        except VLLMClientError as exc:
+            # The request itself is invalid (for example longer than max_model_len).
+            raise ValueError(f"request {request_id!r}: vLLM refused it: {exc}") from exc
         except (EngineDeadError, EngineGenerateError) as exc:
             raise GenerationError(f"vLLM engine failed on request {request_id!r}: {exc!r}") from exc
         finally:

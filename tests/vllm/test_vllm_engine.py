@@ -291,3 +291,16 @@ def test_duplicate_in_flight_request_id_is_refused(
     requests = requests_for(prompts[:1], prefix="dup") * 2
     with pytest.raises(ValueError, match="already in flight"):
         run(engine.generate(requests))
+
+
+def test_invalid_request_is_refused_and_its_batch_stopped(
+    engine: VllmGenerationEngine, prompts: list[list[int]]
+) -> None:
+    too_long = requests_for([prompts[0] * 40], prefix="too-long")  # 160 tokens > 128
+    batch = requests_for(prompts[:3], prefix="with-bad", max_new_tokens=100) + too_long
+    with pytest.raises(ValueError, match="too-long"):
+        run(engine.generate(batch))
+    # Nothing of the batch is left in flight, and the engine keeps serving.
+    assert engine._inflight == set()
+    after = run(engine.generate(requests_for(prompts[:2], prefix="after-bad")))
+    assert all(result.finish_reason in ("stop", "length") for result in after)
