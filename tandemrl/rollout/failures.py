@@ -19,6 +19,8 @@ import asyncio
 import enum
 from dataclasses import dataclass, field
 
+from ray.exceptions import RayActorError, RaySystemError, WorkerCrashedError
+
 from tandemrl.config.models import RolloutFailureConfig
 from tandemrl.generation.base import GenerationError
 
@@ -66,13 +68,8 @@ def classify(exc: BaseException) -> FailureKind:
         exc, GenerationError | TimeoutError | asyncio.TimeoutError | ConnectionError | OSError
     ):
         return FailureKind.INFRA
-    try:  # Ray's actor/worker death errors, when Ray is in use
-        from ray.exceptions import RayActorError, RaySystemError, WorkerCrashedError
-
-        if isinstance(exc, RayActorError | RaySystemError | WorkerCrashedError):
-            return FailureKind.INFRA
-    except ImportError:
-        pass
+    if isinstance(exc, RayActorError | RaySystemError | WorkerCrashedError):
+        return FailureKind.INFRA  # a Ray worker process died under the call
     return FailureKind.DATA
 
 
