@@ -58,6 +58,7 @@ from tandemrl.training.worker_common import (
     CheckpointError,
     OptimizerOffload,
     SerialExecutor,
+    SplitStepWorkerAPI,
     StepTracker,
     autocast,
     autocast_dtype,
@@ -127,7 +128,7 @@ def sort_rows_by_length(batch: TrainBatch) -> tuple[TrainBatch, torch.Tensor]:
     return reordered, order
 
 
-class PolicyWorker:
+class PolicyWorker(SplitStepWorkerAPI):
     """Trains the policy; see the module docstring for the step protocol and file layout."""
 
     def __init__(
@@ -366,30 +367,11 @@ class PolicyWorker:
                 f"checkpoint file {weights_file} is corrupt or does not match the model: {exc}"
             ) from exc
 
-    # ------------------------------------------------------------------ the Trainer contract
+    # ---------------------- the Trainer contract (begin/train/finish/save/load: SplitStepWorkerAPI)
 
     async def get_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """[B, L] logprobs of ``input_ids`` under the current weights (no grad), on CPU."""
         return await self._executor.run(self._get_logprobs, batch)
-
-    async def begin_train_step(self) -> None:
-        await self._executor.run(self._begin_train_step)
-
-    async def train_microbatches(
-        self,
-        batch: TrainBatch,
-        *,
-        step_num_sequences: int,
-        step_num_tokens: int | None = None,
-    ) -> dict[str, float]:
-        """Accumulate the gradient of ``batch``'s share of the step (see module docstring)."""
-        return await self._executor.run(
-            self._train_microbatches, batch, step_num_sequences, step_num_tokens
-        )
-
-    async def finish_train_step(self) -> dict[str, float]:
-        """One optimizer step; metrics include grad_norm, lr, optimizer_steps and loss stats."""
-        return await self._executor.run(self._finish_train_step)
 
     async def export_weights(self) -> dict[str, torch.Tensor]:
         """CPU float32 state dict (contiguous copies, every key incl. tied lm_head.weight)."""
@@ -398,21 +380,11 @@ class PolicyWorker:
     async def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         await self._executor.run(self._load_weights, state_dict)
 
-    async def save_checkpoint(self, directory: Path, *, save_optimizer: bool) -> None:
-        await self._executor.run(self._save_checkpoint, Path(directory), save_optimizer)
-
-    async def load_checkpoint(self, directory: Path, *, load_optimizer: bool) -> None:
-        await self._executor.run(self._load_checkpoint, Path(directory), load_optimizer)
-
     async def offload_optimizer(self) -> None:
         await self._executor.run(self._offload.offload)
 
     async def reload_optimizer(self) -> None:
         await self._executor.run(self._offload.reload)
-
-    async def get_state(self) -> dict[str, Any]:
-        """optimizer_steps, optimizer location and transitions, lr (for Ray callers)."""
-        return await self._executor.run(self.state)
 
 
 def create_policy_worker_actor(

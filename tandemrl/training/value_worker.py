@@ -40,6 +40,7 @@ from tandemrl.training.worker_common import (
     WORKER_STATE_FILE,
     CheckpointError,
     SerialExecutor,
+    SplitStepWorkerAPI,
     StepTracker,
     autocast,
     autocast_dtype,
@@ -57,7 +58,7 @@ BACKBONE_DIR = "backbone"
 HEAD_FILE = "value_head.safetensors"
 
 
-class ValueWorker:
+class ValueWorker(SplitStepWorkerAPI):
     """Trains the critic; see the module docstring."""
 
     def __init__(
@@ -264,36 +265,9 @@ class ValueWorker:
         """[B, L] value estimates on CPU (no grad); 0 at position 0 and on padding."""
         return await self._executor.run(self._get_values, batch)
 
-    async def begin_train_step(self) -> None:
-        await self._executor.run(self._begin_train_step)
-
-    async def train_microbatches(
-        self,
-        batch: TrainBatch,
-        *,
-        step_num_sequences: int,
-        step_num_tokens: int | None = None,
-    ) -> dict[str, float]:
-        """Accumulate the value-loss gradient; ``batch`` needs ``values`` (old) and ``returns``."""
-        return await self._executor.run(
-            self._train_microbatches, batch, step_num_sequences, step_num_tokens
-        )
-
-    async def finish_train_step(self) -> dict[str, float]:
-        return await self._executor.run(self._finish_train_step)
-
-    async def save_checkpoint(self, directory: Path, *, save_optimizer: bool) -> None:
-        await self._executor.run(self._save_checkpoint, Path(directory), save_optimizer)
-
-    async def load_checkpoint(self, directory: Path, *, load_optimizer: bool) -> None:
-        await self._executor.run(self._load_checkpoint, Path(directory), load_optimizer)
-
     async def load_warm_start(self, checkpoint_dir: Path) -> None:
         """Seed the critic's weights (not its optimizer) from a value checkpoint folder."""
         await self._executor.run(self._load_warm_start, Path(checkpoint_dir))
-
-    async def get_state(self) -> dict[str, Any]:
-        return await self._executor.run(self.state)
 
 
 def create_value_worker_actor(

@@ -347,3 +347,42 @@ def load_optimizer_state(
         raise CheckpointError(
             f"checkpoint file {path} is corrupt or does not match: {exc}"
         ) from exc
+
+
+class SplitStepWorkerAPI:
+    """The async face shared by the policy and value workers: each call runs the worker's
+    synchronous ``_name`` method on its serial executor, so the caller's event loop (or the
+    Ray actor's) keeps serving while a step computes."""
+
+    _executor: SerialExecutor
+
+    async def begin_train_step(self) -> None:
+        await self._executor.run(self._begin_train_step)  # type: ignore[attr-defined]
+
+    async def train_microbatches(
+        self,
+        batch: dict[str, torch.Tensor],
+        *,
+        step_num_sequences: int,
+        step_num_tokens: int | None = None,
+    ) -> dict[str, float]:
+        """Accumulate ``batch``'s share of the step's gradient (see the worker's docstring)."""
+        return await self._executor.run(
+            self._train_microbatches,  # type: ignore[attr-defined]
+            batch,
+            step_num_sequences,
+            step_num_tokens,
+        )
+
+    async def finish_train_step(self) -> dict[str, float]:
+        """Exactly one optimizer step; metrics include grad_norm, lr and optimizer_steps."""
+        return await self._executor.run(self._finish_train_step)  # type: ignore[attr-defined]
+
+    async def save_checkpoint(self, directory: Path, *, save_optimizer: bool) -> None:
+        await self._executor.run(self._save_checkpoint, Path(directory), save_optimizer)  # type: ignore[attr-defined]
+
+    async def load_checkpoint(self, directory: Path, *, load_optimizer: bool) -> None:
+        await self._executor.run(self._load_checkpoint, Path(directory), load_optimizer)  # type: ignore[attr-defined]
+
+    async def get_state(self) -> dict[str, Any]:
+        return await self._executor.run(self.state)  # type: ignore[attr-defined]
