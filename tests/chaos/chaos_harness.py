@@ -404,58 +404,65 @@ def run_with_kills(
     report = ChaosReport()
     started = time.monotonic()
     pending = list(points)
-    while True:
-        starts_before = sum(
-            event["event"] == "start" for event in _journal_events(checkpoint_dir / JOURNAL)
-        )
-        attempt = Attempt(report.attempts, workdir, overrides, marker)
-        report.attempts += 1
-        observer = Observer(checkpoint_dir, starts_before, shape)
-        if not pending:
-            try:
-                report.final_returncode = attempt.process.wait(timeout=final_timeout_s)
-            except subprocess.TimeoutExpired:
-                attempt.kill_everything()
-                raise RuntimeError(
-                    f"the final attempt did not finish in {final_timeout_s} s:\n{attempt.tail()}"
-                ) from None
-            # A finished run leaves nothing behind either.
-            report.stragglers_killed += attempt.kill_everything()
-            break
-        point = KillPoint(pending[0], rng)
-        detail, hit = None, True
-        while attempt.running():
-            attempt.refresh_pids()
-            detail = point.ready(attempt, observer)
-            if detail is not None:
-                break
-            if attempt.elapsed() > point_timeout_s:
-                detail, hit = f"not seen within {point_timeout_s} s: killed by timer", False
-                break
-            time.sleep(POLL_S)
-        if not attempt.running():
-            # It finished (or crashed) before the kill point: nothing more to kill.
-            report.final_returncode = attempt.process.wait()
-            report.stragglers_killed += attempt.kill_everything()
-            log(
-                f"attempt {attempt.index} exited with {report.final_returncode} before {pending[0]}"
+    attempt: Attempt | None = None
+    try:
+        while True:
+            starts_before = sum(
+                event["event"] == "start" for event in _journal_events(checkpoint_dir / JOURNAL)
             )
-            break
-        trained_seen = sum(event["event"] == "trained" for event in observer.events())
-        processes = len(attempt.pids())
-        report.stragglers_killed += attempt.kill_everything()
-        pending.pop(0)
-        kill = Kill(
-            attempt.index,
-            point.point,
-            hit,
-            round(attempt.elapsed(), 2),
-            trained_seen,
-            detail,
-            processes,
-        )
-        report.kills.append(kill)
-        log(f"kill {len(report.kills)}: {kill}")
+            attempt = Attempt(report.attempts, workdir, overrides, marker)
+            report.attempts += 1
+            observer = Observer(checkpoint_dir, starts_before, shape)
+            if not pending:
+                try:
+                    report.final_returncode = attempt.process.wait(timeout=final_timeout_s)
+                except subprocess.TimeoutExpired:
+                    attempt.kill_everything()
+                    raise RuntimeError(
+                        f"the final attempt did not finish in {final_timeout_s} s:\n{attempt.tail()}"
+                    ) from None
+                # A finished run leaves nothing behind either.
+                report.stragglers_killed += attempt.kill_everything()
+                break
+            point = KillPoint(pending[0], rng)
+            detail, hit = None, True
+            while attempt.running():
+                attempt.refresh_pids()
+                detail = point.ready(attempt, observer)
+                if detail is not None:
+                    break
+                if attempt.elapsed() > point_timeout_s:
+                    detail, hit = f"not seen within {point_timeout_s} s: killed by timer", False
+                    break
+                time.sleep(POLL_S)
+            if not attempt.running():
+                # It finished (or crashed) before the kill point: nothing more to kill.
+                report.final_returncode = attempt.process.wait()
+                report.stragglers_killed += attempt.kill_everything()
+                log(
+                    f"attempt {attempt.index} exited with {report.final_returncode} before {pending[0]}"
+                )
+                break
+            trained_seen = sum(event["event"] == "trained" for event in observer.events())
+            processes = len(attempt.pids())
+            report.stragglers_killed += attempt.kill_everything()
+            pending.pop(0)
+            kill = Kill(
+                attempt.index,
+                point.point,
+                hit,
+                round(attempt.elapsed(), 2),
+                trained_seen,
+                detail,
+                processes,
+            )
+            report.kills.append(kill)
+            log(f"kill {len(report.kills)}: {kill}")
+    except BaseException:
+        # A failed assertion, a test timeout or ^C: leave no process of the run behind.
+        if attempt is not None:
+            attempt.kill_everything()
+        raise
     report.wall_s = time.monotonic() - started
     report.audit = audit(checkpoint_dir, shape)
     return report
