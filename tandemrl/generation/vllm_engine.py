@@ -211,17 +211,12 @@ class VllmGenerationEngine(GenerationBackend):
         await self._on_loop(self._abort(request_ids))
 
     async def sleep(self) -> None:
-        if self._asleep_since is not None or self._closed:
-            return
-        await self._on_loop(self._llm.pause_generation(mode="keep", clear_cache=False))
-        self._asleep_since = time.monotonic()
+        if not self._closed:
+            await self._on_loop(self._sleep())
 
     async def wake(self) -> None:
-        if self._asleep_since is None or self._closed:
-            return
-        await self._on_loop(self._llm.resume_generation())
-        self._asleep_total += time.monotonic() - self._asleep_since
-        self._asleep_since = None
+        if not self._closed:
+            await self._on_loop(self._wake())
 
     @property
     def asleep(self) -> bool:
@@ -463,6 +458,22 @@ class VllmGenerationEngine(GenerationBackend):
                     await self._llm.resume_generation()
             self.stats.weight_updates += 1
             self.stats.weight_update_seconds += time.monotonic() - started
+
+    async def _sleep(self) -> None:
+        assert self._update_lock is not None
+        # Under the update lock: a weight update pauses and resumes the scheduler itself.
+        async with self._update_lock:
+            if self._asleep_since is None:
+                await self._llm.pause_generation(mode="keep", clear_cache=False)
+                self._asleep_since = time.monotonic()
+
+    async def _wake(self) -> None:
+        assert self._update_lock is not None
+        async with self._update_lock:
+            if self._asleep_since is not None:
+                await self._llm.resume_generation()
+                self._asleep_total += time.monotonic() - self._asleep_since
+                self._asleep_since = None
 
     async def _abort(self, request_ids: list[str]) -> None:
         ours = [request_id for request_id in request_ids if request_id in self._inflight]

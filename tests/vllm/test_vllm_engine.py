@@ -25,7 +25,7 @@ from tandemrl.generation.vllm_engine import (
     serialize_state_dict,
 )
 from tandemrl.models import load_causal_lm
-from tandemrl.records import GenerationResult
+from tandemrl.records import GenerationRequest, GenerationResult
 
 PROMPTS = ["583=", "12=", "7=", "9045=", "31=", "66=", "2=", "808="]
 
@@ -304,3 +304,66 @@ def test_invalid_request_is_refused_and_its_batch_stopped(
     assert engine._inflight == set()
     after = run(engine.generate(requests_for(prompts[:2], prefix="after-bad")))
     assert all(result.finish_reason in ("stop", "length") for result in after)
+
+
+def test_recompute_mode_continues_in_flight_sequences_under_new_weights(
+    engine: VllmGenerationEngine,
+    tiny_model_dir: Path,
+    prompts: list[list[int]],
+    original_weights: dict[str, torch.Tensor],
+    tmp_path: Path,
+    restore_weights: None,
+) -> None:
+    new_weights = load_causal_lm(
+        perturbed_model_dir(tiny_model_dir, tmp_path / "noisy", seed=3, scale=0.05),
+        "float32",
+        "cpu",
+    ).state_dict()
+    max_new_tokens = 100
+    recompute = VllmGenerationEngine(
+        vllm_policy_cfg(), tiny_model_dir, seed=0, recompute_kv_cache_after_weight_updates=True
+    )
+
+    async def generate_across_update(attempt: int, delay_s: float, new: int):
+        requests = requests_for(prompts, prefix=f"re{attempt}", max_new_tokens=max_new_tokens)
+        task = asyncio.create_task(recompute.generate(requests))
+        await asyncio.sleep(delay_s)
+        await recompute.update_weights(new, new_weights)
+        return await task
+
+    crossed: list[tuple[list[int], GenerationResult, int]] = []
+    try:
+        for attempt, delay_s in enumerate([0.2, 0.05, 0.5, 0.1, 1.0]):
+            old = recompute.current_weight_version + 1
+            run(recompute.update_weights(old, original_weights))
+            results = run(generate_across_update(attempt, delay_s, old + 1))
+            for prompt, result in zip(prompts, results, strict=True):
+                assert_versions(result, {old, old + 1})
+                switch = result.token_weight_versions.count(old)
+                if 0 < switch < len(result.token_ids):
+                    crossed.append((prompt, result, switch))
+            if crossed:
+                break
+    finally:
+        recompute.shutdown_sync()
+    assert crossed
+
+    # After the switch the sequence continues exactly as the new weights continue its text
+    # from scratch: its keys/values were recomputed, none of the old weights' are left.
+    run(engine.update_weights(engine.current_weight_version + 1, new_weights))
+    continuations = run(
+        engine.generate(
+            [
+                GenerationRequest(
+                    request_id=f"continue-{index}",
+                    prompt_token_ids=prompt + result.token_ids[:switch],
+                    max_new_tokens=len(result.token_ids) - switch,
+                    temperature=0.0,
+                )
+                for index, (prompt, result, switch) in enumerate(crossed)
+            ]
+        )
+    )
+    for (_, result, switch), continuation in zip(crossed, continuations, strict=True):
+        assert continuation.token_ids == result.token_ids[switch:]
+        assert continuation.logprobs == pytest.approx(result.logprobs[switch:], abs=1e-4)
