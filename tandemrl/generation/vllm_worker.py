@@ -10,9 +10,11 @@ worker's ``reload_weights`` restores each layer, loads, and re-runs the kernel p
 
 Why the extra ``lm_head`` step: with tied embeddings (Qwen2 tiny models) checkpoints carry no
 ``lm_head.weight``; the reload refreshes ``embed_tokens.weight`` (the same tensor) but never
-re-prepares ``lm_head``, whose prepacked CPU copy keeps the *old* weights. Output then mixes
-the new body with the old head, silently. Re-running the head's post-load step after every
-reload rebuilds the prepacked copy from the current weight (cheap; harmless when untied).
+re-prepares ``lm_head``. Where vLLM's CPU GEMM keeps a packed *copy* of the head (bf16/fp16 on
+AMX CPUs) that copy keeps the old weights, and output mixes the new body with the old head,
+silently; in float32 the oneDNN kernel reads the live tensor and the problem does not show.
+Re-running the head's post-load step after every reload rebuilds whatever the kernel holds
+from the current weight (cheap; harmless when untied or unpacked).
 """
 
 from __future__ import annotations
