@@ -118,10 +118,11 @@ def launch(cfg: MasterConfig) -> Launched:
     model_path = str(resolve_model_path(cfg.policy.model_name))
     log.info("model %s; placement %s", model_path, placement)
     algo = cfg.algorithm
-    if cfg.policy.generation.backend != "torch":
+    backend = cfg.policy.generation.backend
+    if backend not in ("torch", "vllm"):
         raise PlacementError(
-            f"policy.generation.backend={cfg.policy.generation.backend!r} cannot be launched on Ray "
-            "by this build; use 'torch'"
+            f"policy.generation.backend={backend!r} cannot be launched on Ray (it is for tests); "
+            "use 'torch' or 'vllm'"
         )
     worker_class = make_generation_worker_class(
         num_cpus=placement.generation_cpus, num_gpus=placement.generation_gpus
@@ -132,7 +133,12 @@ def launch(cfg: MasterConfig) -> Launched:
         seed=algo.seed,
     )
     engines = [
-        worker_class.remote(model_path, **{**options, "seed": algo.seed + index})
+        worker_class.remote(
+            model_path,
+            backend=backend,
+            policy_cfg=cfg.policy,
+            **{**options, "seed": algo.seed + index},
+        )
         for index in range(cfg.policy.generation.num_workers)
     ]
     trainer = create_policy_worker_actor(

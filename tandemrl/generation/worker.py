@@ -1,4 +1,7 @@
-"""The generation worker: a Ray actor process that owns one ``TorchGenerationEngine``.
+"""The generation worker: a Ray actor process that owns one generation engine.
+
+The engine is the in-process ``TorchGenerationEngine`` by default, or ``VllmGenerationEngine``
+when the worker is created with ``backend="vllm"`` (and the policy config it needs).
 
 The actor is asynchronous (its methods are coroutines on the actor's event loop), so many
 ``generate`` calls are in flight at once and the engine batches them together; weight updates,
@@ -33,10 +36,31 @@ DEFAULT_MAX_CONCURRENCY = 1000
 class GenerationWorker:
     """Actor body: every method forwards to the engine (see ``TorchGenerationEngine``)."""
 
-    def __init__(self, model_path: str | Path, **engine_options: Any) -> None:
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        backend: str = "torch",
+        policy_cfg: Any = None,
+        **engine_options: Any,
+    ) -> None:
         # One intra-op thread per process: on shared cores more threads spin and slow all.
         torch.set_num_threads(1)
-        self.engine = TorchGenerationEngine(model_path, **engine_options)
+        if backend == "vllm":
+            from tandemrl.generation.vllm_engine import VllmGenerationEngine
+
+            self.engine = VllmGenerationEngine(
+                policy_cfg,
+                model_path,
+                seed=engine_options.get("seed", 0),
+                recompute_kv_cache_after_weight_updates=engine_options.get(
+                    "recompute_kv_cache_after_weight_updates", False
+                ),
+            )
+        elif backend == "torch":
+            self.engine = TorchGenerationEngine(model_path, **engine_options)
+        else:
+            raise ValueError(f"policy.generation.backend={backend!r} has no Ray generation worker")
 
     async def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         return await self.engine.generate(requests)
