@@ -207,6 +207,9 @@ async def restore_controller(controller: Any, plan: RestorePlan) -> dict[str, in
     if plan.fresh:
         return {}
     if plan.trainer_dir is not None:
+        # step_N exists already: the final checkpoint of a run resumed after its last step must
+        # not rewrite it (that would drop the snapshots anchored on it).
+        controller.mark_checkpointed(plan.step)
         await controller.trainer.load_checkpoint(plan.trainer_dir / POLICY_DIR, load_optimizer=True)
         value_trainer = getattr(controller.step_runner, "value_trainer", None)
         if value_trainer is not None:

@@ -36,7 +36,13 @@ class CheckpointBarrier:
         async with self._changed:
             await self._changed.wait_for(lambda: not self._capturing)
             self._capturing = True
-            await self._changed.wait_for(lambda: self._mutations == 0)
+            try:
+                await self._changed.wait_for(lambda: self._mutations == 0)
+            except BaseException:
+                # Cancelled while mutations drained: lift the hold, or every commit would block.
+                self._capturing = False
+                self._changed.notify_all()
+                raise
         try:
             yield
         finally:

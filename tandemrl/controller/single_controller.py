@@ -493,6 +493,10 @@ class SingleController:
                 self._abort_requested.add(group_id)
                 task.cancel()
 
+    def mark_checkpointed(self, step: int) -> None:
+        """``step_<step>`` is already durable (a restore resumed from it)."""
+        self._last_checkpoint_step = step
+
     async def _final_checkpoint(self) -> None:
         if self.checkpointer is None or self.state.step == 0:
             return

@@ -18,6 +18,7 @@ inserts the rows: a bad snapshot never leaves a partial restore behind.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 from collections.abc import Iterable, Mapping
@@ -134,41 +135,11 @@ class LocalDataPlane(DataPlane):
                 f"local data plane save to {directory}: sample id(s) not stored: "
                 f"{', '.join(map(str, missing))}"
             )
-        tensors: dict[str, torch.Tensor] = {}
-        manifest_rows: dict[str, dict[str, Any]] = {}
-        digests: dict[str, str] = {}
-        for sample_id in sample_ids:
-            row = self._rows[sample_id]
-            fields = list(row)
-            for field in fields:
-                name = f"{sample_id}/{field}"
-                if name in tensors:
-                    raise DataPlaneError(
-                        f"local data plane save to {directory}: tensor name {name!r} is ambiguous "
-                        f"(sample id {sample_id!r} collides with another row's id and field)"
-                    )
-                # safetensors refuses tensors that share storage; clone to own the bytes.
-                tensors[name] = row[field].detach().to("cpu").contiguous().clone()
-            digests[sample_id] = row_digest(row)
-            manifest_rows[sample_id] = {"fields": fields, "digest": digests[sample_id]}
-        payload = safetensors_save(tensors)
-        manifest = {
-            "format": SNAPSHOT_FORMAT,
-            "version": SNAPSHOT_VERSION,
-            "files": {
-                ROWS_FILE_NAME: {
-                    "bytes": len(payload),
-                    "sha256": hashlib.sha256(payload).hexdigest(),
-                }
-            },
-            "rows": manifest_rows,
-        }
-        with atomic_directory(directory) as tmp_dir:
-            write_file_synced(tmp_dir / ROWS_FILE_NAME, payload)
-            write_file_synced(
-                tmp_dir / MANIFEST_NAME, json.dumps(manifest, indent=1, sort_keys=True).encode()
-            )
-        return digests
+        rows = {sample_id: self._rows[sample_id] for sample_id in sample_ids}
+        # Serialising and fsyncing run in a thread so the controller's event loop (both pumps)
+        # keeps going; the rows cannot change meanwhile (the checkpoint barrier holds commits
+        # and clears, and rows are never mutated in place).
+        return await asyncio.to_thread(_write_snapshot, directory, rows)
 
     async def load(self, directory: Path) -> dict[str, str]:
         rows, digests = read_snapshot(Path(directory))
@@ -180,6 +151,40 @@ class LocalDataPlane(DataPlane):
             )
         self._rows.update(rows)
         return digests
+
+
+def _write_snapshot(directory: Path, rows: dict[str, Row]) -> dict[str, str]:
+    tensors: dict[str, torch.Tensor] = {}
+    manifest_rows: dict[str, dict[str, Any]] = {}
+    digests: dict[str, str] = {}
+    for sample_id, row in rows.items():
+        fields = list(row)
+        for field in fields:
+            name = f"{sample_id}/{field}"
+            if name in tensors:
+                raise DataPlaneError(
+                    f"local data plane save to {directory}: tensor name {name!r} is ambiguous "
+                    f"(sample id {sample_id!r} collides with another row's id and field)"
+                )
+            # safetensors refuses tensors that share storage; clone to own the bytes.
+            tensors[name] = row[field].detach().to("cpu").contiguous().clone()
+        digests[sample_id] = row_digest(row)
+        manifest_rows[sample_id] = {"fields": fields, "digest": digests[sample_id]}
+    payload = safetensors_save(tensors)
+    manifest = {
+        "format": SNAPSHOT_FORMAT,
+        "version": SNAPSHOT_VERSION,
+        "files": {
+            ROWS_FILE_NAME: {"bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+        },
+        "rows": manifest_rows,
+    }
+    with atomic_directory(directory) as tmp_dir:
+        write_file_synced(tmp_dir / ROWS_FILE_NAME, payload)
+        write_file_synced(
+            tmp_dir / MANIFEST_NAME, json.dumps(manifest, indent=1, sort_keys=True).encode()
+        )
+    return digests
 
 
 def read_snapshot(directory: Path) -> tuple[dict[str, Row], dict[str, str]]:

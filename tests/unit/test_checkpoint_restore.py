@@ -91,9 +91,11 @@ def make_controller(cfg, *, seed: int = 0, stop_after_step: int | None = None):
         hooks.append(stop)
     return build_fake_controller(
         cfg,
-        trainer=FakeTrainer(train_seconds_per_step=0.0),
+        trainer=FakeTrainer(train_seconds_per_step=0.1),
         engines=[
-            FakeGenerationBackend(latency=LatencyModel("uniform", low=0.0, high=0.002), seed=seed)
+            # Long enough that the groups dispatched right after a version bump are still
+            # generating when a step hook stops the run (the golden bundle needs unfinished ones).
+            FakeGenerationBackend(latency=LatencyModel("uniform", low=0.02, high=0.05), seed=seed)
         ],
         dataloader=PromptDataLoader(records, max_num_epochs=1, seed=3),
         step_hooks=hooks,
