@@ -200,6 +200,9 @@ async def apply_rollout_state(
     for group in groups:
         if group.granularity == "prompt_group":
             group.discard_staged()
+        # Owned by the ledger from now on, so a snapshot taken before the group is redispatched
+        # still accounts for it.
+        controller.rollout_manager.ledger.adopt(group)
     controller.recovered_groups = groups
     controller.replacement_reserve_restore(
         [PromptItem(**item) for item in state.replacement_reserve]

@@ -208,12 +208,13 @@ class SingleController:
     # ------------------------------------------------------------------ rollout pump
 
     async def _rollout_pump(self) -> None:
+        # Groups restored from a checkpoint were admitted before the crash and are in the ledger
+        # already (so a snapshot taken while they wait still owns them): reserve and relaunch.
         while self.recovered_groups and not self._stopping:
-            group = self.recovered_groups[0]
             await self._wait_for_room()
-            await self._wait_for_permission()
-            self.recovered_groups.pop(0)
+            group = self.recovered_groups.pop(0)
             self.rollout_manager.reserve_recovered(group, current_weight=self.trainer_version)
+            await self._wait_for_permission()
             self._launch(group)
 
         while not self._stopping:
@@ -224,14 +225,17 @@ class SingleController:
             self.waiting_on["rollout"] = "sampler.admit (staleness gate)"
             blocked_from = time.monotonic()
             target_step = await self.sampler.admit(trainer_version_fn=lambda: self.trainer_version)
-            await self._wait_for_permission()
-            self._acc.rollout_blocked_s += time.monotonic() - blocked_from
+            # From the admission to the reserved slot without an await: a snapshot sees the
+            # admission, the drawn prompt and the ledger entry together, or none of them.
             item = self._take_prompt()
             if item is None:
                 break
             group = self.rollout_manager.reserve(
                 item, start_weight=self.trainer_version, target_step=target_step
             )
+            # Generation starts once the engines hold the weights of the group's start version.
+            await self._wait_for_permission()
+            self._acc.rollout_blocked_s += time.monotonic() - blocked_from
             self._launch(group)
             self.waiting_on["rollout"] = "dispatching"
         self._rollout_done = True

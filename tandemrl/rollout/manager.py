@@ -128,15 +128,15 @@ class RolloutManager:
     def reserve_recovered(self, group: UnfinishedGroup, *, current_weight: int) -> UnfinishedGroup:
         """Re-reserve a group restored from the ownership ledger after a restart.
 
-        Its target step is kept; its start weight is the oldest weight any of its surviving
-        siblings saw, or the current weight when nothing survived.
+        The group is in the ledger already (``adopt`` at restore). Its target step is kept; its
+        start weight is the oldest weight any of its surviving siblings saw, or the current
+        weight when nothing survived.
         """
         if not group.staged:
             group.start_weight = current_weight
         self.buffer.reserve(
             group.group_id, start_weight=group.start_weight, target_step=group.target_step
         )
-        self.ledger.adopt(group)
         return group
 
     async def generate_and_push(self, group: UnfinishedGroup) -> None:
