@@ -24,8 +24,10 @@ from tandemrl.dataplane.base import DataPlaneError
 pytestmark = pytest.mark.integration
 
 # find_spec, not import: the plane sets TransferQueue's import-time thread settings itself.
-if importlib.util.find_spec("transfer_queue") is None:
-    pytest.skip("TransferQueue is not installed (pip install -e .[tq])", allow_module_level=True)
+# The test extra installs TransferQueue: a missing package is a broken install, not a skip.
+assert importlib.util.find_spec("transfer_queue") is not None, (
+    "pip install -e '.[test]' installs it"
+)
 
 CALL_TIMEOUT_S = 3.0
 # Scheduling slack on a loaded 2-core machine, on top of the call timeout.

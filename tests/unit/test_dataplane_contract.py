@@ -30,8 +30,10 @@ def run(coro):
 
 @pytest.fixture(scope="module")
 def simple_plane(request) -> Iterator[DataPlane]:
-    if importlib.util.find_spec("transfer_queue") is None:
-        pytest.skip("TransferQueue is not installed (pip install -e .[tq])")
+    # The test extra installs TransferQueue: a missing package is a broken install, not a skip.
+    assert importlib.util.find_spec("transfer_queue") is not None, (
+        "pip install -e '.[test]' installs it"
+    )
     request.getfixturevalue("ray_session")
     from tandemrl.dataplane.simple import SimpleDataPlane
 
@@ -257,8 +259,10 @@ def test_simple_row_checks_refuse_bad_rows() -> None:
 
 
 def test_simple_unstarted_plane_pickles_as_its_config() -> None:
-    if importlib.util.find_spec("transfer_queue") is None:
-        pytest.skip("TransferQueue is not installed (pip install -e .[tq])")
+    # The test extra installs TransferQueue: a missing package is a broken install, not a skip.
+    assert importlib.util.find_spec("transfer_queue") is not None, (
+        "pip install -e '.[test]' installs it"
+    )
     from tandemrl.dataplane.simple import SimpleDataPlane
 
     cfg = DataPlaneConfig(backend="simple", num_storage_units=2, call_timeout_s=5)
