@@ -141,14 +141,6 @@ class ValueWorker(SplitStepWorkerAPI):
 
     # ------------------------------------------------------------------ split train step
 
-    def _begin_train_step(self) -> None:
-        if self._step.active:
-            raise RuntimeError(
-                "begin_train_step called while a step is open; call finish_train_step first"
-            )
-        self.optimizer.zero_grad(set_to_none=True)
-        self._step.begin()
-
     def _train_microbatches(
         self, batch: TrainBatch, step_num_sequences: int, step_num_tokens: int | None
     ) -> dict[str, float]:

@@ -355,9 +355,19 @@ class SplitStepWorkerAPI:
     Ray actor's) keeps serving while a step computes."""
 
     _executor: SerialExecutor
+    _step: StepTracker
+    optimizer: torch.optim.Optimizer
+
+    def _begin_train_step(self) -> None:
+        if self._step.active:
+            raise RuntimeError(
+                "begin_train_step called while a step is open; call finish_train_step first"
+            )
+        self.optimizer.zero_grad(set_to_none=True)
+        self._step.begin()
 
     async def begin_train_step(self) -> None:
-        await self._executor.run(self._begin_train_step)  # type: ignore[attr-defined]
+        await self._executor.run(self._begin_train_step)
 
     async def train_microbatches(
         self,
