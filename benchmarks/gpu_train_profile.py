@@ -1,9 +1,27 @@
-"""Where a PolicyWorker train step spends its time on the GPU (one-off diagnosis for MFU).
+"""Training MFU of a full PolicyWorker step on one GPU, variant by variant, with checks.
 
-Times one micro-batch's pieces (forward with / without the padding mask, the fp32
-logprob head, backward) and prints the profiler's top kernels of a whole train step.
+One 0.5B-shaped random Qwen2 (``gpu_common``), one GRPO step of 64 sequences whose lengths
+follow a clipped lognormal (median 512, sigma 0.6, [64, 1024]; 60-token prompts), bf16 autocast
+over float32 master weights, fused AdamW. Each variant is the same worker with one setting
+changed; a variant is timed as the median of ``--repeats`` whole steps (begin ->
+train_microbatches -> finish, synchronised) after one warm-up step.
+
+Variants: ``logits`` (the full-logits head: float32 [tokens, vocab] logprobs), ``head``
+(``logprob_head``: chunked bf16 head at the loss positions only, fused passes compiled),
+``head_eager`` (the same without torch.compile), micro-batch sizes, activation checkpointing,
+and ``compiled_layers`` (torch.compile of every decoder layer).
+
+Checks before timing (fresh random data): head vs full-logits logprobs and parameter
+gradients on one micro-batch, relative error ||a - b|| / ||b||.
+
+FLOPs: ``conventional`` = 6 · N · tokens + 6 · layers · hidden · Σ len² (N counts the tied
+embedding once, as the lm_head product); ``performed`` counts the head product
+(2 · vocab · hidden per token, forward) only at the positions the head computes (the loss
+positions), i.e. 6 · (N - vocab · hidden) · tokens + 6 · vocab · hidden · loss tokens +
+attention. MFU = FLOPs / step time / measured bf16 matrix rate (8192³ product, random data).
 
     python benchmarks/gpu_train_profile.py --out runs/gpu_profile
+    python benchmarks/gpu_train_profile.py --size tiny --sequences 8 --out /tmp/p   # CPU smoke
 """
 
 from __future__ import annotations
@@ -11,103 +29,306 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_common import build_model_folder
-from gpu_grpo import LongTail, grpo_config, make_train_batch
+from gpu_common import LongTail, build_model_folder
 
-from tandemrl.training.policy_worker import PolicyWorker, sequence_logprobs
+from tandemrl.config.loader import load_config
+from tandemrl.training import logprob_head
+from tandemrl.training.batch import count_loss_tokens, split_microbatches, trim_padding
+from tandemrl.training.policy_worker import PolicyWorker, sort_rows_by_length
+
+PROMPT_TOKENS = 60
+STARTED = time.perf_counter()
 
 
-def timed(fn, repeats: int = 3) -> float:
-    fn()
-    torch.cuda.synchronize()
+def log(message: str) -> None:
+    print(f"[{time.perf_counter() - STARTED:7.1f}s] {message}", flush=True)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def matmul_ceiling(size: int = 8192) -> float:
+    a, b = (torch.randn(size, size, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    times = []
+    for repeat in range(13):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        if repeat >= 3:
+            times.append(start.elapsed_time(end) / 1e3)
+    return 2 * size**3 / statistics.median(times) / 1e12
+
+
+def make_batch(lengths: list[int], vocab: int, seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    rows, width = len(lengths), max(lengths)
+    input_ids = torch.zeros(rows, width, dtype=torch.long)
+    attention = torch.zeros(rows, width, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        input_ids[row, :length] = torch.randint(3, vocab, (length,), generator=generator)
+        attention[row, :length] = 1
+    token_mask = attention.float()
+    token_mask[:, :PROMPT_TOKENS] = 0
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention,
+        "token_mask": token_mask,
+        "sample_mask": torch.ones(rows),
+        "advantages": torch.randn(rows, 1, generator=generator).expand(rows, width).contiguous(),
+        "generation_logprobs": -torch.rand(rows, width, generator=generator) * token_mask,
+        "prev_logprobs": -torch.rand(rows, width, generator=generator) * token_mask,
+    }
+
+
+def flops(model: torch.nn.Module, lengths: list[int], loss_tokens: int) -> dict[str, float]:
+    config = model.config
+    params = sum(p.numel() for p in model.parameters())
+    head = config.vocab_size * config.hidden_size
+    attention = 6 * config.num_hidden_layers * config.hidden_size * sum(n * n for n in lengths)
+    tokens = sum(lengths)
+    return {
+        "conventional": 6 * params * tokens + attention,
+        "performed": 6 * (params - head) * tokens + 6 * head * loss_tokens + attention,
+        "params": params,
+    }
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
+
+
+def check_head(worker: PolicyWorker, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Head vs full-logits path on the first micro-batch: logprobs and gradients."""
+    micro = trim_padding(split_microbatches(sort_rows_by_length(batch)[0], 4)[0])
+    mask = micro["token_mask"].to(worker.device)
+    results: dict[str, Any] = {}
+    for use_head in (True, False):
+        worker.use_head_logprobs = use_head
+        worker.optimizer.zero_grad(set_to_none=True)
+        prepared = worker._prepare(micro, micro["token_mask"] > 0)
+        logprobs, entropy = worker._forward(prepared, entropy="metric")
+        (logprobs * mask).sum().backward()
+        grads = {
+            name: p.grad.detach().float().clone()
+            for name, p in worker.model.named_parameters()
+            if p.grad is not None and ("embed" in name or "layers.0." in name)
+        }
+        results[use_head] = ((logprobs * mask).detach(), (entropy * mask).detach(), grads)
+    worker.optimizer.zero_grad(set_to_none=True)
+    worker.use_head_logprobs = True
+    head, plain = results[True], results[False]
+    grad_errors = {name: relative_error(head[2][name], plain[2][name]) for name in plain[2]}
+    return {
+        "logprobs_rel_err": relative_error(head[0], plain[0]),
+        "entropy_rel_err": relative_error(head[1], plain[1]),
+        "grad_rel_err_max": max(grad_errors.values()),
+        "grad_rel_err_embed": grad_errors.get("model.embed_tokens.weight", float("nan")),
+        "finite": bool(torch.isfinite(head[0]).all()),
+    }
+
+
+def time_steps(worker: PolicyWorker, batch: dict[str, torch.Tensor], repeats: int) -> dict:
+    async def step() -> dict[str, float]:
+        await worker.begin_train_step()
+        await worker.train_microbatches(batch, step_num_sequences=batch["input_ids"].shape[0])
+        return await worker.finish_train_step()
+
     started = time.perf_counter()
+    metrics = asyncio.run(step())  # warm-up: compiles, allocates optimizer state
+    sync()
+    warmup_s = time.perf_counter() - started
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    times = []
     for _ in range(repeats):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - started) / repeats
+        started = time.perf_counter()
+        asyncio.run(step())
+        sync()
+        times.append(time.perf_counter() - started)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+    return {
+        "step_s": statistics.median(times),
+        "step_s_all": [round(t, 4) for t in times],
+        "warmup_s": warmup_s,
+        "peak_gib": peak,
+        "loss": metrics.get("loss"),
+        "grad_norm": metrics.get("grad_norm"),
+    }
+
+
+def padded_tokens(lengths: list[int], micro: int) -> int:
+    ordered = sorted(lengths, reverse=True)
+    return sum(
+        max(ordered[i : i + micro]) * len(ordered[i : i + micro])
+        for i in range(0, len(ordered), micro)
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="0.5b")
     parser.add_argument("--models", type=Path, default=Path(tempfile.gettempdir()) / "gpu_models")
     parser.add_argument("--out", type=Path, default=Path("runs/gpu_profile"))
-    args = parser.parse_args()
-    folder = build_model_folder("0.5b", args.models / "qwen2-0.5b", device="cuda")
-    bench_args = argparse.Namespace(
-        prompts_per_step=16, group_size=8, micro_batch=16, length_cap=128
+    parser.add_argument("--sequences", type=int, default=64)
+    parser.add_argument("--median", type=float, default=512)
+    parser.add_argument("--cap", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--budget-s", type=float, default=200.0, help="skip variants after this")
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=[
+            "head",
+            "logits",
+            "head_mb32",
+            "head_ckpt",
+            "head_eager",
+            "head_mb8",
+            "compiled_layers",
+        ],
     )
-    cfg = grpo_config(
-        folder,
-        bench_args,
-        ["policy.train_micro_batch_size=16", "policy.max_total_sequence_length=1024"],
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    torch.manual_seed(0)
+    ceiling = matmul_ceiling() if cuda else float("nan")
+    log(f"bf16 matmul ceiling {ceiling:.1f} TFLOP/s")
+    folder = build_model_folder(args.size, args.models / f"qwen2-{args.size}", device=device)
+    log("model folder ready")
+    cfg = load_config(
+        "examples/configs/grpo_tiny_cpu.yaml",
+        (
+            f"policy.model_name={folder}",
+            f"policy.device={device}",
+            "policy.train_micro_batch_size=16",
+            f"policy.max_total_sequence_length={args.cap}",
+            "policy.optimizer.lr=1.0e-6",
+            "loss_fn.entropy_coef=0.0",
+        ),
     )
     worker = PolicyWorker(cfg.policy, cfg.loss_fn, model_path=folder)
-    model = worker.model
-    tail = LongTail(median=512, sigma=0.6, minimum=64, cap=1024)
-    lengths = [tail.length(f"t{i}") for i in range(64)]
-    batch = make_train_batch(lengths, model.config.vocab_size, seed=1)
-    ids = torch.randint(3, model.config.vocab_size, (16, 1024), device="cuda")
-    mask = torch.ones_like(ids)
-    mask[8:, 700:] = 0  # right padding in half the rows
-    result: dict[str, float] = {}
+    log(f"worker ready; head path supported: {worker.use_head_logprobs}")
+    tail = LongTail(median=args.median, sigma=0.6, minimum=64, cap=args.cap)
+    lengths = [tail.length(f"t{i}") for i in range(args.sequences)]
+    vocab = worker.model.config.vocab_size
+    batch = make_batch(lengths, vocab, seed=1)
+    loss_tokens = count_loss_tokens(batch)
+    work = flops(worker.model, lengths, loss_tokens)
+    summary: dict[str, Any] = {
+        "ceiling_tflops": ceiling,
+        "tokens": sum(lengths),
+        "loss_tokens": loss_tokens,
+        "sequences": len(lengths),
+        **{f"flops_{k}": v for k, v in work.items()},
+    }
+    try:
+        summary["check"] = check_head(worker, make_batch(lengths[:8], vocab, seed=7))
+    except Exception as exc:
+        summary["check"] = {"error": repr(exc)}
+        traceback.print_exc()
+    log(f"check: {summary['check']}")
 
-    def forward(with_mask: bool):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            return model(input_ids=ids, attention_mask=mask if with_mask else None).logits
+    settings = {
+        "head": {},
+        "logits": {"use_head_logprobs": False},
+        "head_eager": {"compile_head": False},
+        "head_mb8": {"micro": 8},
+        "head_mb32": {"micro": 32},
+        "head_ckpt": {"checkpointing": True},
+        "compiled_layers": {"compile_layers": True},
+    }
+    rows = []
+    for name in args.variants:
+        # torch.compile of 24 layers (forward and backward) may take a minute: start it early.
+        reserve = 60.0 if name == "compiled_layers" else 0.0
+        if time.perf_counter() - STARTED > args.budget_s - reserve:
+            log(f"{name}: skipped (past --budget-s)")
+            rows.append({"variant": name, "skipped": True})
+            continue
+        change = settings[name]
+        micro = change.get("micro", 16)
+        worker.cfg.train_micro_batch_size = micro
+        worker.use_head_logprobs = change.get("use_head_logprobs", True)
+        logprob_head.COMPILE_ON_CUDA = change.get("compile_head", True)
+        if change.get("checkpointing"):
+            worker.model.gradient_checkpointing_enable()
+        if change.get("compile_layers"):
+            for layer in worker.model.model.layers:
+                layer.compile(dynamic=True)
+        row: dict[str, Any] = {
+            "variant": name,
+            "micro": micro,
+            "padded": padded_tokens(lengths, micro),
+        }
+        try:
+            row.update(time_steps(worker, batch, args.repeats))
+            for key in ("conventional", "performed"):
+                row[f"mfu_{key}"] = work[key] / row["step_s"] / (ceiling * 1e12)
+            row["tokens_per_s"] = sum(lengths) / row["step_s"]
+        except Exception as exc:
+            row["error"] = repr(exc)[:500]
+            traceback.print_exc()
+        if change.get("checkpointing"):
+            worker.model.gradient_checkpointing_disable()
+        rows.append(row)
+        log(f"{name}: {row}")
+        summary["rows"] = rows
+        (args.out / "train_profile.json").write_text(json.dumps(summary, indent=1) + "\n")
+        if cuda:
+            torch.cuda.empty_cache()
+    summary["rows"] = rows
 
-    with torch.no_grad():
-        result["fwd_masked_s"] = timed(lambda: forward(True))
-        result["fwd_unmasked_s"] = timed(lambda: forward(False))
-        logits = forward(False)
-        result["logprob_head_s"] = timed(lambda: sequence_logprobs(logits, ids, 1.0))
-        logits = None
+    timed = [r for r in rows if "step_s" in r]
+    if cuda and timed and time.perf_counter() - STARTED < args.budget_s + 20:
+        best = min(timed, key=lambda r: r["step_s"])
+        worker.cfg.train_micro_batch_size = best["micro"]
+        worker.use_head_logprobs = True
+        logprob_head.COMPILE_ON_CUDA = True
 
-    def fwd_bwd(with_mask: bool, head: bool) -> None:
-        logits = forward(with_mask)
-        if head:
-            logprobs, _ = sequence_logprobs(logits, ids, 1.0)
-            loss = logprobs.mean()
-        else:
-            loss = logits[:, -1].float().mean()
-        loss.backward()
+        async def step() -> None:
+            await worker.begin_train_step()
+            await worker.train_microbatches(batch, step_num_sequences=len(lengths))
+            await worker.finish_train_step()
 
-    model.train()
-    result["fwd_bwd_masked_head_s"] = timed(lambda: fwd_bwd(True, True))
-    result["fwd_bwd_unmasked_head_s"] = timed(lambda: fwd_bwd(False, True))
-    result["fwd_bwd_unmasked_nohead_s"] = timed(lambda: fwd_bwd(False, False))
-    result["optimizer_step_s"] = timed(lambda: worker.optimizer.step())
-    worker.optimizer.zero_grad(set_to_none=True)
-    flops = 6 * sum(p.numel() for p in model.parameters()) * ids.numel()
-    result["mfu_fwd_bwd_unmasked_nohead_at_765"] = (
-        flops / result["fwd_bwd_unmasked_nohead_s"] / 765e12
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        ) as profiler:
+            asyncio.run(step())
+            sync()
+        table = profiler.key_averages().table(sort_by="self_device_time_total", row_limit=30)
+        (args.out / "profile.txt").write_text(table)
+        summary["profiled_variant"] = best["variant"]
+
+    (args.out / "train_profile.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(
+        f"\n{'variant':16s} {'micro':>5s} {'padded':>7s} {'step s':>7s} {'tok/s':>8s} {'MFU conv':>8s} {'MFU perf':>8s} {'peak GiB':>8s}"
     )
-
-    async def step() -> None:
-        await worker.begin_train_step()
-        await worker.train_microbatches(batch, step_num_sequences=len(lengths))
-        await worker.finish_train_step()
-
-    asyncio.run(step())
-    torch.cuda.synchronize()
-    with torch.profiler.profile(
-        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    ) as profiler:
-        asyncio.run(step())
-        torch.cuda.synchronize()
-    table = profiler.key_averages().table(sort_by="self_device_time_total", row_limit=25)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "profile.txt").write_text(table)
-    print(table[-6000:])
-    print(f"RESULT {json.dumps(result)}", flush=True)
+    for r in rows:
+        if "step_s" not in r:
+            print(f"{r['variant']:16s} {r.get('error', 'skipped')}")
+            continue
+        print(
+            f"{r['variant']:16s} {r['micro']:5d} {r['padded']:7d} {r['step_s']:7.3f} "
+            f"{r['tokens_per_s']:8.0f} {r['mfu_conventional']:8.1%} {r['mfu_performed']:8.1%} {r['peak_gib']:8.1f}"
+        )
+    print(f"RESULT {json.dumps(summary)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -186,6 +186,10 @@ class LossConfig(Strict):
     importance_sampling: ImportanceSamplingConfig = ImportanceSamplingConfig()
     token_level_loss: bool = True
     entropy_coef: float = Field(0.0, ge=0.0)
+    # Take prev_logprobs from the training forward itself (detached) instead of a separate
+    # get_logprobs pass. Exact when the step makes one optimizer step over its batch (GRPO;
+    # PPO with ppo_epochs 1): every micro-batch's forward then runs on the pre-step weights.
+    reuse_training_logprobs: bool = False
 
 
 # --------------------------------------------------------------------------- async_rl

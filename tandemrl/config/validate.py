@@ -350,6 +350,13 @@ class _Checker:
             value = getattr(ppo, key)
             if value < 1:
                 self.error(f"ppo.{key}: must be at least 1 (got {value})")
+        if cfg.loss_fn.reuse_training_logprobs and ppo.ppo_epochs > 1:
+            self.error(
+                f"loss_fn.reuse_training_logprobs: must be false with ppo.ppo_epochs > 1 (got "
+                f"{ppo.ppo_epochs}); from the second epoch on the training forward runs on "
+                "updated weights, so its logprobs are no longer the pre-step ones. Set it to "
+                "false, or ppo.ppo_epochs to 1"
+            )
 
     def check_warmup_lookahead(self, algo: str) -> None:
         sampler = self.sampler

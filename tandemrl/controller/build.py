@@ -73,6 +73,7 @@ def make_step_runner(
         leave_one_out_baseline=algo.use_leave_one_out_baseline,
         normalize_rewards=algo.normalize_rewards,
         pad_token_id=pad_token_id,
+        reuse_training_logprobs=cfg.loss_fn.reuse_training_logprobs,
     )
 
 

@@ -9,6 +9,8 @@ as one chunk. ``train_chunk`` only collects the chunk's rows; ``finish`` trains 
     offload the policy optimizer          policy.offload_optimizer_for_logprob
     value stage       critic.get_values(batch)               ─┐ concurrently: two workers
     prev_logprobs     policy.get_logprobs(batch)  (policy)   ─┘ computed once, all epochs
+                      (skipped with loss_fn.reuse_training_logprobs, which validation
+                      allows only with ppo_epochs 1: the training forward supplies them)
     advantage stage   GAE per token, reward on the last generated token;
                       returns = advantages + values; whiten advantages over valid tokens
     critic epochs     ppo.critic_ppo_epochs x (begin → train_microbatches → finish)
@@ -72,6 +74,7 @@ class PPOSettings:
     max_lookahead_versions: int | None
     warmup_lookahead_versions: int | None
     warm_start_value_checkpoint: str | None
+    reuse_training_logprobs: bool = False
 
     @classmethod
     def from_config(cls, cfg: MasterConfig) -> PPOSettings:
@@ -90,6 +93,7 @@ class PPOSettings:
             max_lookahead_versions=getattr(sampler, "max_lookahead_versions", None),
             warmup_lookahead_versions=getattr(sampler, "warmup_lookahead_versions", None),
             warm_start_value_checkpoint=ppo.warm_start_value_checkpoint,
+            reuse_training_logprobs=cfg.loss_fn.reuse_training_logprobs,
         )
 
     def policy_trains_at(self, version: int) -> bool:
@@ -196,6 +200,11 @@ class PPOStepRunner:
                 f"ppo.ppo_epochs ({settings.ppo_epochs}) and ppo.critic_ppo_epochs "
                 f"({settings.critic_ppo_epochs}) must both be at least 1"
             )
+        if settings.reuse_training_logprobs and settings.ppo_epochs > 1:
+            raise ValueError(
+                "loss_fn.reuse_training_logprobs: must be false with ppo.ppo_epochs > 1 (got "
+                f"{settings.ppo_epochs}): later epochs train on updated weights"
+            )
         self.trainer = trainer
         self.value_trainer = value_trainer
         self.settings = settings
@@ -277,7 +286,9 @@ class PPOStepRunner:
             # Keeps the policy optimizer off the device while the critic runs; the policy's
             # finish_train_step moves it back just before its optimizer step.
             await self.trainer.offload_optimizer()
-        if policy_trains:
+        if policy_trains and self.settings.reuse_training_logprobs:
+            values = await self.value_trainer.get_values(batch)
+        elif policy_trains:
             values, prev_logprobs = await asyncio.gather(
                 self.value_trainer.get_values(batch), self.trainer.get_logprobs(batch)
             )

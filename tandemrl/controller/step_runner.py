@@ -10,7 +10,9 @@ warm-up trains only the critic, so there is nothing to sync).
 
 ``GRPOStepRunner``: per chunk, group advantages (leave-one-out baseline, std normalisation),
 the trainer's own logprobs as ``prev_logprobs``, then gradient accumulation; ``finish`` applies
-exactly one optimizer step.
+exactly one optimizer step. With ``loss_fn.reuse_training_logprobs`` the chunk goes to the
+trainer without ``prev_logprobs`` and the training forward supplies them (one forward pass
+per step fewer; exact because the weights change only in ``finish``).
 """
 
 from __future__ import annotations
@@ -60,8 +62,10 @@ class GRPOStepRunner:
         leave_one_out_baseline: bool,
         normalize_rewards: bool,
         pad_token_id: int,
+        reuse_training_logprobs: bool = False,
     ) -> None:
         self.trainer = trainer
+        self.reuse_training_logprobs = reuse_training_logprobs
         self.group_size = group_size
         self.leave_one_out_baseline = leave_one_out_baseline
         self.normalize_rewards = normalize_rewards
@@ -86,7 +90,8 @@ class GRPOStepRunner:
         self, slots: list[Any], rows: dict[str, dict[str, torch.Tensor]], *, step_num_sequences: int
     ) -> None:
         batch = self.advantage_stage(slots, rows)
-        batch["prev_logprobs"] = await self.trainer.get_logprobs(batch)
+        if not self.reuse_training_logprobs:
+            batch["prev_logprobs"] = await self.trainer.get_logprobs(batch)
         await self.trainer.train_microbatches(batch, step_num_sequences=step_num_sequences)
 
     async def finish(self) -> dict[str, float]:

@@ -125,7 +125,7 @@ def importance_weights(
     return weights, raw
 
 
-def policy_loss(
+def policy_loss_terms(
     curr_logprobs: torch.Tensor,
     batch: TrainBatch,
     cfg: LossConfig,
@@ -133,20 +133,11 @@ def policy_loss(
     num_step_tokens: int | None = None,
     num_step_sequences: int | None = None,
     entropy: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped PPO loss of one (micro-)batch as its share of the whole step's loss.
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``policy_loss`` with its metrics left as 0-d tensors on the loss's device.
 
-    ``curr_logprobs`` [B, L] (with grad) are aligned with ``input_ids``; ``batch`` holds
-    ``token_mask``, ``sample_mask``, ``advantages``, ``prev_logprobs``,
-    ``generation_logprobs``. ``num_step_tokens`` / ``num_step_sequences`` are the whole
-    step's normalizers (None: this batch is the whole step). ``entropy`` [B, L] (with grad,
-    from the full logits, e.g. ``token_entropy``) is required when ``cfg.entropy_coef > 0``.
-
-    Metrics (means over this batch's valid tokens; ``num_tokens`` lets callers re-weight):
-    ``loss``, ``ratio_mean``, ``clip_fraction``, ``is_weight_mean``, ``is_weight_max``
-    (raw weights exp(prev - gen)), ``is_masked_fraction`` (tokens the correction dropped),
-    ``kl_gen_trainer`` (k3 estimate of KL(generator ‖ trainer) from the sampled tokens),
-    ``entropy`` (when given), ``num_tokens``.
+    Nothing here waits for the device (given ``num_step_tokens``), so a worker can queue the
+    backward of every micro-batch and read all metrics back with one transfer at the end.
     """
     _require(batch, "token_mask", "sample_mask", "advantages", "prev_logprobs")
     if cfg.use_importance_sampling_correction:
@@ -178,25 +169,66 @@ def policy_loss(
         count = mask.sum()
         denom = count.clamp(min=1.0)
         clipped = ((-advantages * clipped_ratio) > (-advantages * ratio)).float()
-        dropped = (weights == 0).float() if cfg.use_importance_sampling_correction else None
-        k3 = raw_weights - 1.0 - torch.log(raw_weights)
+        zero = torch.zeros((), device=mask.device)
         metrics = {
-            "loss": float(loss.item()),
-            "ratio_mean": float(((ratio * mask).sum() / denom).item()),
-            "clip_fraction": float(((clipped * mask).sum() / denom).item()),
-            "is_weight_mean": float(((raw_weights * mask).sum() / denom).item()),
-            "is_weight_max": float(raw_weights.masked_fill(mask == 0, 0.0).max().item())
-            if count.item() > 0
-            else 0.0,
-            "is_masked_fraction": float(((dropped * mask).sum() / denom).item())
-            if dropped is not None
-            else 0.0,
-            "kl_gen_trainer": float(((k3 * mask).sum() / denom).item()),
-            "num_tokens": float(count.item()),
+            "loss": loss.detach(),
+            "ratio_mean": (ratio * mask).sum() / denom,
+            "clip_fraction": (clipped * mask).sum() / denom,
+            "is_weight_mean": (raw_weights * mask).sum() / denom,
+            # 0 when nothing is valid: masked entries are filled with 0, weights are > 0.
+            "is_weight_max": raw_weights.masked_fill(mask == 0, 0.0).max(),
+            "is_masked_fraction": ((weights == 0).float() * mask).sum() / denom
+            if cfg.use_importance_sampling_correction
+            else zero,
+            "kl_gen_trainer": ((raw_weights - 1.0 - torch.log(raw_weights)) * mask).sum() / denom,
+            "num_tokens": count,
         }
         if entropy is not None:
-            metrics["entropy"] = float(((entropy.float() * mask).sum() / denom).item())
+            metrics["entropy"] = (entropy.float() * mask).sum() / denom
     return loss, metrics
+
+
+def metrics_to_floats(rows: list[dict[str, torch.Tensor]]) -> list[dict[str, float]]:
+    """Read a list of tensor-metric dicts back to the host with one transfer."""
+    if not rows:
+        return []
+    flat = [value.detach().float().reshape(()) for row in rows for value in row.values()]
+    values = iter(torch.stack(flat).cpu().tolist())
+    return [{key: next(values) for key in row} for row in rows]
+
+
+def policy_loss(
+    curr_logprobs: torch.Tensor,
+    batch: TrainBatch,
+    cfg: LossConfig,
+    *,
+    num_step_tokens: int | None = None,
+    num_step_sequences: int | None = None,
+    entropy: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped PPO loss of one (micro-)batch as its share of the whole step's loss.
+
+    ``curr_logprobs`` [B, L] (with grad) are aligned with ``input_ids``; ``batch`` holds
+    ``token_mask``, ``sample_mask``, ``advantages``, ``prev_logprobs``,
+    ``generation_logprobs``. ``num_step_tokens`` / ``num_step_sequences`` are the whole
+    step's normalizers (None: this batch is the whole step). ``entropy`` [B, L] (with grad,
+    from the full logits, e.g. ``token_entropy``) is required when ``cfg.entropy_coef > 0``.
+
+    Metrics (means over this batch's valid tokens; ``num_tokens`` lets callers re-weight):
+    ``loss``, ``ratio_mean``, ``clip_fraction``, ``is_weight_mean``, ``is_weight_max``
+    (raw weights exp(prev - gen)), ``is_masked_fraction`` (tokens the correction dropped),
+    ``kl_gen_trainer`` (k3 estimate of KL(generator ‖ trainer) from the sampled tokens),
+    ``entropy`` (when given), ``num_tokens``.
+    """
+    loss, metrics = policy_loss_terms(
+        curr_logprobs,
+        batch,
+        cfg,
+        num_step_tokens=num_step_tokens,
+        num_step_sequences=num_step_sequences,
+        entropy=entropy,
+    )
+    return loss, metrics_to_floats([metrics])[0]
 
 
 def value_loss(

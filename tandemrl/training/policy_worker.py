@@ -5,7 +5,8 @@ in-process runs use it directly); ``create_policy_worker_actor`` starts it as a 
 
 One RL step::
 
-    get_logprobs(batch)            -> prev_logprobs (no grad; may run mid-step)
+    get_logprobs(batch)            -> prev_logprobs (no grad; may run mid-step; skipped with
+                                      loss_fn.reuse_training_logprobs, see below)
     begin_train_step()             zero gradients
     train_microbatches(chunk, step_num_sequences=S, step_num_tokens=N)   once per chunk
     finish_train_step()            clip, exactly one optimizer step, metrics
@@ -23,6 +24,18 @@ that temperature is > 0 — the same ``log_softmax(logits / temperature)`` that 
 engine records for the tokens it samples — so that at equal weights trainer and generator
 logprobs agree and the importance weight is 1. Temperature 0 (greedy) uses the raw logits.
 ``top_p`` truncation is not reflected (the generator reports untruncated logprobs too).
+For Qwen2/Qwen3/Llama/Mistral models (logits = a bias-free lm_head of the last hidden state)
+they come from ``logprob_head.head_logprobs``: only at the positions that need them (loss
+positions in training, real tokens in ``get_logprobs``), chunked, never materialising float32
+[tokens, vocab] logits; other models take the full-logits path. Right-padded micro-batches run
+without the padding mask (causal attention already ignores trailing padding), so attention
+takes the fused causal kernel.
+
+``prev_logprobs`` may be absent from a train batch only with
+``loss_fn.reuse_training_logprobs``: each micro-batch then uses its own training logprobs,
+detached — exact because gradients accumulate and the weights change only in
+``finish_train_step``. The micro-batch loop never waits for the device: inputs are cut and
+moved before it, metrics stay on the device and come back in one transfer per chunk.
 
 Precision: parameters and optimizer state are float32; "auto" runs forward/backward under
 bfloat16 autocast on CUDA and in plain float32 on CPU.
@@ -40,6 +53,7 @@ read back with ``torch.load(weights_only=True)``).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from pathlib import Path
@@ -52,8 +66,9 @@ from transformers import AutoModelForCausalLM
 from tandemrl.config.models import LossConfig, PolicyConfig
 from tandemrl.models import load_causal_lm, resolve_device, resolve_model_path
 from tandemrl.training.api import TrainBatch
-from tandemrl.training.batch import count_loss_tokens, split_microbatches, trim_padding
-from tandemrl.training.losses import policy_loss, token_entropy
+from tandemrl.training.batch import count_loss_tokens, loss_mask, split_microbatches, trim_padding
+from tandemrl.training.logprob_head import head_logprobs, supports_head_logprobs
+from tandemrl.training.losses import metrics_to_floats, policy_loss_terms, token_entropy
 from tandemrl.training.worker_common import (
     CheckpointError,
     OptimizerOffload,
@@ -111,6 +126,33 @@ def sequence_logprobs(
     return F.pad(logprobs, (1, 0)), scaled
 
 
+def is_right_padded(attention_mask: torch.Tensor) -> bool:
+    """True when every row is ones then zeros (real tokens first, padding after).
+
+    For such rows a causal model computes the same outputs at every real position without
+    the padding mask (a real token only attends to earlier, real tokens), and attention can
+    take the fused causal kernel instead of a masked one.
+    """
+    lengths = attention_mask.sum(dim=1, keepdim=True)
+    columns = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    return bool(torch.equal(attention_mask != 0, columns.unsqueeze(0) < lengths))
+
+
+@dataclasses.dataclass
+class Micro:
+    """One micro-batch on the device, with what the logprob head needs.
+
+    ``needed``: the flat indices (into [b, l]) of the positions whose logprob is computed;
+    ``targets``: the token at each; the head reads the hidden state one position earlier.
+    ``model_mask``: the attention mask to pass to the model (None for right-padded rows).
+    """
+
+    batch: TrainBatch
+    needed: torch.Tensor
+    targets: torch.Tensor
+    model_mask: torch.Tensor | None
+
+
 def sort_rows_by_length(batch: TrainBatch) -> tuple[TrainBatch, torch.Tensor]:
     """``batch`` with its rows ordered longest first, and that order (``sorted[i] = batch[order[i]]``).
 
@@ -159,6 +201,9 @@ class PolicyWorker(SplitStepWorkerAPI):
         self.temperature = policy_cfg.generation.temperature
         self.model = load_causal_lm(self.model_path, dtype=torch.float32, device=self.device)
         self.model.config.use_cache = False
+        # Logprobs from the hidden states through the chunked head (logprob_head.py) where
+        # the model's logits are a plain lm_head; the full-logits path otherwise.
+        self.use_head_logprobs = supports_head_logprobs(self.model)
         if policy_cfg.dtensor_cfg.activation_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.optimizer = build_optimizer(self.model.parameters(), policy_cfg.optimizer, self.device)
@@ -197,17 +242,65 @@ class PolicyWorker(SplitStepWorkerAPI):
                 f"{self.cfg.max_total_sequence_length}"
             )
 
-    def _forward(
-        self, micro: TrainBatch, *, entropy: str
+    def _prepare(self, micro: TrainBatch, needed: torch.Tensor) -> Micro:
+        """Move a (trimmed, CPU) micro-batch to the device with its head indices.
+
+        ``needed`` [b, l] bool: positions whose logprob matters (entry 0 never does). All
+        index arithmetic happens here on the host, so the forward never waits for the device.
+        """
+        needed = needed.clone()
+        needed[:, 0] = False
+        index = needed.reshape(-1).nonzero().squeeze(1)
+        targets = micro["input_ids"].reshape(-1).index_select(0, index)
+        model_mask = None if is_right_padded(micro["attention_mask"]) else micro["attention_mask"]
+        to_device = self._to_device
+        return Micro(
+            batch=to_device(micro),
+            needed=index.to(self.device),
+            targets=targets.to(self.device),
+            model_mask=None if model_mask is None else model_mask.to(self.device),
+        )
+
+    def _forward(self, micro: Micro, *, entropy: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logprobs [b, l], entropy [b, l] or None); ``entropy``: "none", "metric" or "grad".
+
+        Entries outside ``micro.needed`` are 0 on the head path (they are never a loss
+        position); the full-logits path fills every position.
+        """
+        if not self.use_head_logprobs:
+            return self._forward_logits(micro, entropy=entropy)
+        input_ids = micro.batch["input_ids"]
+        rows, length = input_ids.shape
+        with autocast(self.device, self.autocast_dtype):
+            hidden = self.model.base_model(
+                input_ids=input_ids, attention_mask=micro.model_mask, use_cache=False
+            ).last_hidden_state
+        hidden = hidden.reshape(rows * length, -1).index_select(0, micro.needed - 1)
+        compute_dtype = self.autocast_dtype or torch.float32
+        logprobs, token_entropy_ = head_logprobs(
+            hidden.to(compute_dtype),
+            self.model.get_output_embeddings().weight,
+            micro.targets,
+            temperature=self.temperature,
+        )
+        zeros = torch.zeros(rows * length, device=hidden.device, dtype=torch.float32)
+        logprobs = zeros.index_copy(0, micro.needed, logprobs).view(rows, length)
+        if entropy == "none":
+            return logprobs, None
+        if entropy == "metric":
+            token_entropy_ = token_entropy_.detach()
+        return logprobs, zeros.index_copy(0, micro.needed, token_entropy_).view(rows, length)
+
+    def _forward_logits(
+        self, micro: Micro, *, entropy: str
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(logprobs [b, l], entropy [b, l] or None); ``entropy``: "none", "metric" or "grad"."""
         with autocast(self.device, self.autocast_dtype):
             logits = self.model(
-                input_ids=micro["input_ids"],
-                attention_mask=micro["attention_mask"],
+                input_ids=micro.batch["input_ids"],
+                attention_mask=micro.batch["attention_mask"],
                 use_cache=False,
             ).logits
-        logprobs, scaled = sequence_logprobs(logits, micro["input_ids"], self.temperature)
+        logprobs, scaled = sequence_logprobs(logits, micro.batch["input_ids"], self.temperature)
         if entropy == "none":
             return logprobs, None
         if entropy == "grad":
@@ -222,17 +315,22 @@ class PolicyWorker(SplitStepWorkerAPI):
         was_training = self.model.training
         self.model.eval()
         batch, order = sort_rows_by_length(batch)
-        out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
+        out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32, device=self.device)
+        micros = [
+            trim_padding(micro)
+            for micro in split_microbatches(batch, self.cfg.train_micro_batch_size)
+        ]
         start = 0
         with torch.no_grad():
-            for micro in split_microbatches(batch, self.cfg.train_micro_batch_size):
-                size = micro["input_ids"].shape[0]
-                micro = self._to_device(trim_padding(micro))
-                logprobs, _ = self._forward(micro, entropy="none")
-                logprobs = logprobs * micro["attention_mask"].to(logprobs.dtype)
-                out[start : start + size, : logprobs.shape[1]] = logprobs.cpu()
+            for micro in micros:
+                size, length = micro["input_ids"].shape
+                prepared = self._prepare(micro, micro["attention_mask"] != 0)
+                logprobs, _ = self._forward(prepared, entropy="none")
+                mask = prepared.batch["attention_mask"].to(logprobs.dtype)
+                out[start : start + size, :length] = logprobs * mask
                 start += size
         self.model.train(was_training)
+        out = out.cpu()  # the one wait for the device
         unsorted = torch.empty_like(out)
         unsorted[order] = out
         return unsorted
@@ -243,29 +341,47 @@ class PolicyWorker(SplitStepWorkerAPI):
         self, batch: TrainBatch, step_num_sequences: int, step_num_tokens: int | None
     ) -> dict[str, float]:
         self._check_length(batch)
+        reuse_logprobs = "prev_logprobs" not in batch
+        if reuse_logprobs and not self.loss_cfg.reuse_training_logprobs:
+            raise KeyError(
+                "train batch lacks 'prev_logprobs': pass get_logprobs(batch) as "
+                "batch['prev_logprobs'], or set loss_fn.reuse_training_logprobs: true to take "
+                "them from the training forward (one optimizer step per batch only)"
+            )
         normalizer = self._step.declare(
             step_num_sequences=step_num_sequences,
             step_num_tokens=step_num_tokens,
         )
         self.model.train()
-        chunk = StepTracker()
         batch, _ = sort_rows_by_length(batch)
-        for micro in split_microbatches(batch, self.cfg.train_micro_batch_size):
-            if count_loss_tokens(micro) == 0:
-                continue  # contributes exactly 0 to the step's loss and gradient
-            micro = self._to_device(trim_padding(micro))
-            logprobs, entropy = self._forward(
-                micro, entropy="grad" if self.loss_cfg.entropy_coef > 0 else "metric"
+        # Everything the loop needs is cut and moved up front: the loop itself queues work
+        # for the device and never waits on it; the metrics come back in one transfer.
+        micros = [
+            self._prepare(micro, loss_mask(micro) > 0)
+            for micro in map(
+                trim_padding, split_microbatches(batch, self.cfg.train_micro_batch_size)
             )
-            loss, metrics = policy_loss(
+            if count_loss_tokens(micro) > 0  # the others add exactly 0 to loss and gradient
+        ]
+        entropy_mode = "grad" if self.loss_cfg.entropy_coef > 0 else "metric"
+        device_metrics = []
+        for micro in micros:
+            logprobs, entropy = self._forward(micro, entropy=entropy_mode)
+            if reuse_logprobs:
+                # Exact: gradients accumulate, the weights change only in finish_train_step.
+                micro.batch["prev_logprobs"] = logprobs.detach()
+            loss, metrics = policy_loss_terms(
                 logprobs,
-                micro,
+                micro.batch,
                 self.loss_cfg,
                 num_step_tokens=normalizer,
                 num_step_sequences=step_num_sequences,
                 entropy=entropy,
             )
             loss.backward()
+            device_metrics.append(metrics)
+        chunk = StepTracker()
+        for metrics in metrics_to_floats(device_metrics):
             chunk.add(metrics)
             self._step.add(metrics)
         # Report the chunk's own token-mean loss (its share of the step is not final while
