@@ -1,15 +1,16 @@
-"""Prototype: Qwen2 decode with a static KV cache, replayed as one CUDA graph per step.
+"""Static-cache decode (tandemrl.generation.static_decode): correctness, ms/step, % of the floor.
 
-What the launch-bound transformers decode loop leaves on the table: this hand-written decode
-step (fused QKV and gate/up projections, a static [layers, rows, kv_heads, max_len, head_dim]
-cache written in place at each row's position, SDPA with grouped-query heads, Gumbel-max
-sampling and the sampled token's logprob) has static shapes, so one step is captured once and
-replayed; each replay feeds its own sampled tokens to the next. It is a measurement of the
-ceiling for the engine's design, not yet the engine: it has no admission or retirement of
-rows (continuous batching) and no prefill of its own (the check below prefills by decoding).
+Three measurements on a random-init Qwen2 of a real size (``gpu_common.QWEN2_SIZES``):
 
-``check``: logits of the hand-written step against the transformers forward pass on the same
-tokens (float32 on CPU: ~1e-6; bf16 on the GPU: ~1e-2, bf16 rounding).
+- ``check``: logits of the static step against the transformers forward pass on the same
+  tokens (float32 on CPU: ~1e-6; bf16 on the GPU: ~1e-2, bf16 rounding).
+- ``graph``: one decode step of ``rows`` busy slots at a mean context of ``context + steps/2``,
+  replayed as a CUDA graph, with and without ``torch.compile`` fusions; ms/step from CUDA
+  events over ``steps`` replays; the floor is (weight bytes + rows x context x KV bytes per
+  token) / copy bandwidth; kernels per step counted with ``torch.profiler`` on one eager step.
+- ``engine``: ``TorchGenerationEngine`` end to end (admission prefill, graph replays, host
+  bookkeeping): all rows admitted at once, ``steps`` sampled tokens each; tokens/s and ms per
+  decode step (busy time of ``_step`` / steps), static path vs ``cuda_graphs="off"``.
 
     python benchmarks/gpu_decode.py --size tiny --check-only          # CPU
     python benchmarks/gpu_decode.py --size 0.5b --batches 64 256      # GPU
@@ -18,6 +19,7 @@ tokens (float32 on CPU: ~1e-6; bf16 on the GPU: ~1e-2, bf16 rounding).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 import tempfile
@@ -26,177 +28,185 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_common import QWEN2_SIZES, build_model_folder
+from gpu_common import EOS_TOKEN_ID, QWEN2_SIZES, build_model_folder
 
+from tandemrl.generation.static_decode import StaticDecoder, kv_bytes_per_token
+from tandemrl.generation.torch_engine import TorchGenerationEngine
 from tandemrl.models import load_causal_lm
-
-
-class StaticQwen2Decoder:
-    """One decode step of a transformers Qwen2 model over a static cache (see module doc)."""
-
-    def __init__(self, model: Any, rows: int, max_len: int) -> None:
-        config = model.config
-        self.device = next(model.parameters()).device
-        self.dtype = next(model.parameters()).dtype
-        self.heads = config.num_attention_heads
-        self.kv_heads = config.num_key_value_heads
-        self.head_dim = config.hidden_size // self.heads
-        self.eps = config.rms_norm_eps
-        self.layers = []
-        with torch.no_grad():
-            for layer in model.model.layers:
-                attention, mlp = layer.self_attn, layer.mlp
-                self.layers.append(
-                    {
-                        "in_norm": layer.input_layernorm.weight,
-                        "post_norm": layer.post_attention_layernorm.weight,
-                        "qkv_w": torch.cat(
-                            [
-                                attention.q_proj.weight,
-                                attention.k_proj.weight,
-                                attention.v_proj.weight,
-                            ]
-                        ),
-                        "qkv_b": torch.cat(
-                            [attention.q_proj.bias, attention.k_proj.bias, attention.v_proj.bias]
-                        ),
-                        "o_w": attention.o_proj.weight,
-                        "gate_up_w": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
-                        "down_w": mlp.down_proj.weight,
-                    }
-                )
-        self.final_norm = model.model.norm.weight
-        self.lm_head = model.lm_head.weight
-        theta = getattr(config, "rope_theta", None) or config.rope_parameters["rope_theta"]
-        exponent = torch.arange(0, self.head_dim, 2, device=self.device).float() / self.head_dim
-        self.inv_freq = 1.0 / (theta**exponent)
-        shape = (len(self.layers), rows, self.kv_heads, max_len, self.head_dim)
-        self.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.values = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.rows = rows
-        self.max_len = max_len
-        self.row_index = torch.arange(rows, device=self.device)
-        self.slots = torch.arange(max_len, device=self.device)
-        # Static inputs/outputs of a step (a graph replay reads and writes these in place).
-        self.tokens = torch.zeros(rows, dtype=torch.long, device=self.device)
-        self.positions = torch.zeros(rows, dtype=torch.long, device=self.device)
-        self.logprobs = torch.zeros(rows, dtype=torch.float32, device=self.device)
-        self.graph: torch.cuda.CUDAGraph | None = None
-
-    def _norm(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        as_float = hidden.float()
-        as_float = as_float * torch.rsqrt(as_float.pow(2).mean(-1, keepdim=True) + self.eps)
-        return weight * as_float.to(hidden.dtype)
-
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return (x * cos + rotated * sin).to(x.dtype)
-
-    @torch.no_grad()
-    def logits_step(self, embed: torch.nn.Embedding) -> torch.Tensor:
-        """Feed ``self.tokens`` at ``self.positions``; write the cache; return logits [rows, V]."""
-        hidden = embed(self.tokens)[:, None, :]  # [rows, 1, hidden]
-        freqs = self.positions[:, None].float() * self.inv_freq[None, :]
-        angles = torch.cat([freqs, freqs], dim=-1)[:, None, None, :]  # [rows, 1, 1, head_dim]
-        cos, sin = angles.cos(), angles.sin()
-        visible = (self.slots[None, :] <= self.positions[:, None])[:, None, None, :]
-        q_size = self.heads * self.head_dim
-        kv_size = self.kv_heads * self.head_dim
-        for index, weights in enumerate(self.layers):
-            x = self._norm(hidden, weights["in_norm"])
-            qkv = F.linear(x, weights["qkv_w"], weights["qkv_b"])
-            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            q = q.view(self.rows, 1, self.heads, self.head_dim).transpose(1, 2)
-            k = k.view(self.rows, self.kv_heads, self.head_dim)
-            v = v.view(self.rows, self.kv_heads, self.head_dim)
-            q = self._rope(q, cos, sin)
-            k = self._rope(k[:, :, None, :], cos, sin)[:, :, 0, :]
-            self.keys[index, self.row_index, :, self.positions] = k
-            self.values[index, self.row_index, :, self.positions] = v
-            attended = F.scaled_dot_product_attention(
-                q, self.keys[index], self.values[index], attn_mask=visible, enable_gqa=True
-            )
-            attended = attended.transpose(1, 2).reshape(self.rows, 1, q_size)
-            hidden = hidden + F.linear(attended, weights["o_w"])
-            x = self._norm(hidden, weights["post_norm"])
-            gate, up = F.linear(x, weights["gate_up_w"]).chunk(2, dim=-1)
-            hidden = hidden + F.linear(F.silu(gate) * up, weights["down_w"])
-        hidden = self._norm(hidden, self.final_norm)
-        return F.linear(hidden[:, 0, :], self.lm_head)
-
-    @torch.no_grad()
-    def sample_step(self, embed: torch.nn.Embedding) -> None:
-        """One step that samples (temperature 1), records the logprob and advances in place."""
-        logits = self.logits_step(embed).float()
-        logprobs = torch.log_softmax(logits, dim=-1)
-        gumbel = -torch.log(-torch.log(torch.rand_like(logprobs).clamp_(min=1e-20)))
-        chosen = (logprobs + gumbel).argmax(dim=-1)
-        self.logprobs.copy_(logprobs.gather(1, chosen[:, None])[:, 0])
-        self.tokens.copy_(chosen)
-        self.positions.add_(1)
-
-    def capture(self, embed: torch.nn.Embedding) -> None:
-        saved = self.positions.clone()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                self.sample_step(embed)
-        torch.cuda.current_stream().wait_stream(stream)
-        self.positions.copy_(saved)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.sample_step(embed)
-        self.positions.copy_(saved)
+from tandemrl.records import GenerationRequest
 
 
 def check(model: Any, length: int, seed: int) -> float:
-    """max |hand-written - transformers| / max |transformers| over the last position's logits."""
+    """max |static - transformers| / max |transformers| over every position's logits."""
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(3, model.config.vocab_size, (2, length), generator=generator).to(device)
-    with torch.no_grad():
-        reference = model(input_ids=tokens).logits[:, -1].float()
-    decoder = StaticQwen2Decoder(model, rows=2, max_len=length)
-    embed = model.get_input_embeddings()
-    for position in range(length):
-        decoder.tokens.copy_(tokens[:, position])
-        decoder.positions.fill_(position)
-        logits = decoder.logits_step(embed).float()
-    return float((logits - reference).abs().max() / reference.abs().max())
+    with torch.inference_mode():
+        reference = model(input_ids=tokens).logits.float()
+    decoder = StaticDecoder(model, slots=2, max_len=length, use_graphs=False, compile_step=False)
+    worst = 0.0
+    with torch.inference_mode():
+        for position in range(length):
+            decoder.tokens.copy_(tokens[:, position])
+            decoder.positions.fill_(position)
+            logits = decoder.forward(2, length).float()
+            expected = reference[:, position]
+            worst = max(worst, float((logits - expected).abs().max() / expected.abs().max()))
+    return worst
 
 
-def bench(model: Any, rows: int, context: int, steps: int) -> dict[str, float]:
-    decoder = StaticQwen2Decoder(model, rows=rows, max_len=context + steps + 8)
-    embed = model.get_input_embeddings()
+def count_kernels(decoder: StaticDecoder, rows: int, length: int) -> dict[str, Any]:
+    """CUDA kernels of one eager step (what a graph replays), by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    saved = (decoder.tokens.clone(), decoder.positions.clone())
+    with torch.inference_mode():
+        decoder._decode(rows, length, False)  # warm (compilation happens outside the trace)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as trace:
+            decoder._decode(rows, length, False)
+            torch.cuda.synchronize()
+    decoder.tokens.copy_(saved[0])
+    decoder.positions.copy_(saved[1])
+    kernels: dict[str, list[float]] = {}
+    for event in trace.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.setdefault(event.name, []).append(event.device_time)
+    top = sorted(kernels.items(), key=lambda item: -sum(item[1]))[:12]
+    return {
+        "kernels_per_step": sum(len(times) for times in kernels.values()),
+        "kernel_us_per_step": sum(sum(times) for times in kernels.values()),
+        "top": [
+            {"name": name[:90], "count": len(times), "us": round(sum(times), 1)}
+            for name, times in top
+        ],
+    }
+
+
+def bench_graph(
+    model: Any, rows: int, context: int, steps: int, compile_step: bool, bandwidth: float
+) -> dict[str, Any]:
+    max_len = context + steps + 8
+    decoder = StaticDecoder(
+        model, slots=rows, max_len=max_len, use_graphs=True, compile_step=compile_step
+    )
     decoder.keys.normal_()
     decoder.values.normal_()
-    decoder.tokens.random_(3, model.config.vocab_size)
+    busy = list(range(rows))
+    vocab = model.config.vocab_size
+    decoder.set_rows(
+        busy,
+        tokens=torch.randint(3, vocab, (rows,)).tolist(),
+        positions=[context] * rows,
+        temperatures=[1.0] * rows,
+        top_ps=[1.0] * rows,
+    )
+    started = time.perf_counter()
+    length = max_len  # one graph: the attended length covers every step of the run
+    key = (rows, length, False)
+    with torch.inference_mode():
+        decoder._capture(key)
+    capture_s = time.perf_counter() - started
+    graph = decoder._graphs[key]
     decoder.positions.fill_(context)
-    decoder.capture(embed)
-    assert decoder.graph is not None
-    decoder.graph.replay()
+    graph.replay()
     torch.cuda.synchronize()
     decoder.positions.fill_(context)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(steps):
-        decoder.graph.replay()
+        graph.replay()
     end.record()
     torch.cuda.synchronize()
     step_s = start.elapsed_time(end) / 1e3 / steps
-    assert bool(torch.isfinite(decoder.logprobs).all()), "non-finite logprobs"
-    return {
+    logprobs = decoder.out[1, :rows]
+    assert bool(torch.isfinite(logprobs).all()), "non-finite logprobs"
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    mean_context = context + steps / 2
+    floor_s = (weight_bytes + rows * mean_context * kv_bytes_per_token(model)) / (bandwidth * 1e12)
+    result = {
         "rows": rows,
-        "context": context + steps / 2,
+        "compile": compile_step,
+        "context": mean_context,
+        "attended_length": length,
         "step_ms": step_s * 1e3,
         "tok_s": rows / step_s,
+        "floor_ms": floor_s * 1e3,
+        "floor_fraction": floor_s / step_s,
+        "capture_s": capture_s,
     }
+    try:
+        result.update(count_kernels(decoder, rows, length))
+    except Exception as exc:  # the timing above stands without the kernel count
+        result["kernel_count_error"] = repr(exc)[:500]
+    return result
+
+
+async def bench_engine(
+    folder: Path, rows: int, prompt_len: int, steps: int, cuda_graphs: str, compile_step: bool
+) -> dict[str, Any]:
+    engine = TorchGenerationEngine(
+        folder,
+        device="cuda",
+        max_batch_size=rows,
+        eos_token_ids=[EOS_TOKEN_ID],
+        cuda_graphs=cuda_graphs,
+        compile_step=compile_step,
+        max_seq_len=prompt_len + steps + 64,
+    )
+    step = engine._step
+    busy = [0.0]
+
+    def timed_step(admit: list[Any]) -> list[Any]:
+        started = time.perf_counter()
+        try:
+            return step(admit)
+        finally:
+            busy[0] += time.perf_counter() - started
+
+    engine._step = timed_step  # type: ignore[method-assign]
+    generator = torch.Generator().manual_seed(rows)
+    vocab = engine.vocab_size
+
+    def requests(tag: str, count: int, new_tokens: int) -> list[GenerationRequest]:
+        return [
+            GenerationRequest(
+                request_id=f"{tag}{row}",
+                prompt_token_ids=torch.randint(
+                    3, vocab, (prompt_len,), generator=generator
+                ).tolist(),
+                max_new_tokens=new_tokens,
+                stop_token_ids=(),
+            )
+            for row in range(count)
+        ]
+
+    engine.eos_token_ids = frozenset()
+    warm_started = time.perf_counter()
+    await engine.generate(requests("w", rows, steps))  # compiles and captures what the run uses
+    warm_s = time.perf_counter() - warm_started
+    busy[0], steps_before = 0.0, engine.stats.decode_steps
+    started = time.perf_counter()
+    results = await engine.generate(requests("r", rows, steps))
+    elapsed = time.perf_counter() - started
+    decode_steps = engine.stats.decode_steps - steps_before
+    tokens = sum(len(result.token_ids) for result in results)
+    out = {
+        "rows": rows,
+        "cuda_graphs": cuda_graphs,
+        "static": engine.static_decode,
+        "compile": compile_step,
+        "tok_s": tokens / elapsed,
+        "ms_per_step": 1e3 * busy[0] / max(decode_steps, 1),
+        "wall_ms_per_step": 1e3 * elapsed / max(decode_steps, 1),
+        "warmup_s": warm_s,
+        "graph_captures": engine.stats.graph_captures,
+    }
+    await engine.shutdown()
+    return out
 
 
 def main() -> None:
@@ -206,6 +216,9 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--steps", type=int, default=128)
+    parser.add_argument("--compile", nargs="+", default=["off", "on"], choices=["off", "on"])
+    parser.add_argument("--engine-modes", nargs="+", default=["auto", "off"])
+    parser.add_argument("--bandwidth-tbps", type=float, default=4.22)
     parser.add_argument("--check-only", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -217,12 +230,35 @@ def main() -> None:
     result: dict[str, Any] = {"size": args.size, "check_rel_err": check(model, 24, seed=0)}
     print(f"check: relative error {result['check_rel_err']:.2e}", flush=True)
     if cuda and not args.check_only:
-        result["rows"] = []
-        for rows in args.batches:
-            started = time.perf_counter()
-            result["rows"].append(bench(model, rows, args.context, args.steps))
-            result["rows"][-1]["wall_s"] = time.perf_counter() - started
-            print(json.dumps(result["rows"][-1]), flush=True)
+        result["graph"] = []
+        for compile_flag in args.compile:
+            for rows in args.batches:
+                try:
+                    row = bench_graph(
+                        model,
+                        rows,
+                        args.context,
+                        args.steps,
+                        compile_flag == "on",
+                        args.bandwidth_tbps,
+                    )
+                except Exception as exc:  # report and keep measuring the other variants
+                    row = {"rows": rows, "compile": compile_flag, "error": repr(exc)[:2000]}
+                result["graph"].append(row)
+                print("graph", json.dumps(row), flush=True)
+        del model
+        torch.cuda.empty_cache()
+        result["engine"] = []
+        for mode in args.engine_modes:
+            for rows in args.batches:
+                try:
+                    row = asyncio.run(
+                        bench_engine(folder, rows, args.context, args.steps, mode, True)
+                    )
+                except Exception as exc:
+                    row = {"rows": rows, "cuda_graphs": mode, "error": repr(exc)[:2000]}
+                result["engine"].append(row)
+                print("engine", json.dumps(row), flush=True)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "decode_graph.json").write_text(json.dumps(result, indent=1) + "\n")

@@ -37,6 +37,22 @@ Logprob convention (the trainer must reproduce it):
     A stop token that ends a sequence is included in ``token_ids`` (with its logprob), so the
     policy learns to stop.
 
+Two decode paths, one contract:
+
+- *static* (``cuda_graphs="auto"`` on CUDA for Qwen2/Llama-family models, or ``"on"``): the
+  running batch lives in a fixed table of row slots over a static KV cache
+  (``static_decode.StaticDecoder``). Admission prefills the new prompts with an ordinary
+  forward pass and copies their keys/values into free slots (the lowest free first, so busy
+  slots stay packed); retirement frees the slot. The decode step is captured as a CUDA graph
+  per (row bucket, attended-length bucket, top-p) and replayed, sampling inside the graph. The
+  cache holds ``max_seq_len`` positions per slot; the slot count is ``max_batch_size`` or what
+  ``kv_cache_memory_fraction`` of the free device memory holds, whichever is smaller. Weight
+  updates copy into the model's parameters, which the graphs read through views. Recompute-KV
+  re-prefills the running rows into their slots; ``sleep`` drops the cache and the graphs, and
+  the first step after ``wake`` rebuilds both. On CPU ``"on"`` runs the same step eagerly.
+- *dynamic* (``"off"``, CPU by default, other architectures): the left-padded batch over a
+  transformers ``DynamicCache`` described above.
+
 Determinism: a request with ``seed`` draws its uniforms from its own ``random.Random(seed)``,
 so its samples do not depend on which other requests share the batch (up to floating-point
 differences of batched matrix products on near-ties). Requests without a seed draw from the
@@ -46,6 +62,7 @@ engine's generator (``seed`` of the constructor).
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import random
 import time
@@ -60,12 +77,22 @@ import torch
 from transformers import DynamicCache
 
 from tandemrl.generation.base import GenerationBackend, GenerationError
+from tandemrl.generation.static_decode import (
+    StaticDecoder,
+    fuse_projections,
+    kv_bytes_per_token,
+    unsupported_reason,
+)
 from tandemrl.models import load_causal_lm, resolve_device
 from tandemrl.records import FinishReason, GenerationRequest, GenerationResult
 
 logger = logging.getLogger(__name__)
 
 KeyValues = list[tuple[torch.Tensor, torch.Tensor]]
+
+CUDA_GRAPH_MODES = ("auto", "on", "off")
+# Static cache length when neither max_seq_len nor a smaller max_position_embeddings is given.
+DEFAULT_STATIC_MAX_SEQ_LEN = 4096
 
 
 @dataclass
@@ -80,6 +107,7 @@ class EngineStats:
     max_running_batch: int = 0
     # Requests admitted while other sequences were mid-decode (continuous batching at work).
     joined_running_batch: int = 0
+    graph_captures: int = 0  # static path: decode steps captured as CUDA graphs
 
 
 @dataclass(eq=False)
@@ -93,6 +121,7 @@ class _Sequence:
     logprobs: list[float] = field(default_factory=list)
     token_weight_versions: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    slot: int = -1  # static path: the row slot this sequence decodes in
 
     @property
     def all_tokens(self) -> list[int]:
@@ -129,9 +158,25 @@ class TorchGenerationEngine(GenerationBackend):
         seed: int = 0,
         weight_version: int = 0,
         eos_token_ids: Iterable[int] | None = None,
+        cuda_graphs: str = "auto",
+        compile_step: bool = True,
+        max_seq_len: int | None = None,
+        kv_cache_memory_fraction: float = 0.5,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if cuda_graphs not in CUDA_GRAPH_MODES:
+            raise ValueError(
+                f"policy.generation.torch.cuda_graphs={cuda_graphs!r}: choose one of "
+                f"{', '.join(CUDA_GRAPH_MODES)}"
+            )
+        if max_seq_len is not None and max_seq_len < 2:
+            raise ValueError(f"policy.generation.torch.max_seq_len={max_seq_len}: must be >= 2")
+        if not 0 < kv_cache_memory_fraction <= 1:
+            raise ValueError(
+                "policy.generation.torch.kv_cache_memory_fraction="
+                f"{kv_cache_memory_fraction}: must be in (0, 1]"
+            )
         self.device = resolve_device(device)
         self.model = load_causal_lm(model_path, dtype=dtype, device=self.device)
         self.max_batch_size = max_batch_size
@@ -143,6 +188,13 @@ class TorchGenerationEngine(GenerationBackend):
         )
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
         self.max_positions: int | None = getattr(config, "max_position_embeddings", None)
+        self.static_decode = self._choose_static(cuda_graphs)
+        if self.static_decode and max_seq_len is None:
+            max_seq_len = min(self.max_positions or DEFAULT_STATIC_MAX_SEQ_LEN, 4096)
+        self.max_seq_len = max_seq_len
+        # Longest sequence (prompt + completion) a request may reach; None: unbounded.
+        limits = [limit for limit in (self.max_positions, max_seq_len) if limit is not None]
+        self.length_limit: int | None = min(limits) if limits else None
         self._pad_token_id = config.pad_token_id if config.pad_token_id is not None else 0
         self._rng = random.Random(seed)
         self._version = weight_version
@@ -167,6 +219,18 @@ class TorchGenerationEngine(GenerationBackend):
         self._mask: torch.Tensor | None = None  # [rows, cache length], 1 = real token
         self._needs_kv_rebuild = False
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandemrl-gen")
+
+        # Static path: the decoder (cache + graphs) is built at the first step and dropped by
+        # sleep; the slot count is fixed here, from the memory free now.
+        self._decoder: StaticDecoder | None = None
+        self._use_graphs = self.static_decode and self.device.type == "cuda"
+        self._compile_step = self._use_graphs and compile_step
+        self.slots = self._plan_slots(kv_cache_memory_fraction) if self.static_decode else 0
+        self._free_slots = list(range(self.slots))
+        if self.static_decode:
+            # Views, not copies: weight updates keep the graphs' fused tensors current.
+            with torch.no_grad():
+                fuse_projections(self.model)
 
     # ------------------------------------------------------------------ public API
 
@@ -220,6 +284,8 @@ class TorchGenerationEngine(GenerationBackend):
             self._awake.clear()
             if self.device.type == "cuda":
                 # Free the KV cache; the first step after wake recomputes it.
+                if self._decoder is not None:
+                    self._decoder.release()
                 self._cache = None
                 self._mask = None
                 self._needs_kv_rebuild = bool(self._running)
@@ -280,10 +346,14 @@ class TorchGenerationEngine(GenerationBackend):
             raise ValueError(
                 f"{where}: token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})"
             )
-        if self.max_positions is not None and len(prompt) >= self.max_positions:
+        if self.length_limit is not None and len(prompt) >= self.length_limit:
+            limit = (
+                f"the model's max_position_embeddings={self.max_positions}"
+                if self.length_limit == self.max_positions
+                else f"policy.generation.torch.max_seq_len={self.max_seq_len}"
+            )
             raise ValueError(
-                f"{where}: prompt of {len(prompt)} tokens leaves no room to generate within the "
-                f"model's max_position_embeddings={self.max_positions}"
+                f"{where}: prompt of {len(prompt)} tokens leaves no room to generate within {limit}"
             )
         return _Sequence(
             request=request,
@@ -336,7 +406,8 @@ class TorchGenerationEngine(GenerationBackend):
 
     def _pop_admissible(self) -> list[_Sequence]:
         admit: list[_Sequence] = []
-        while self._queue and len(self._running) + len(admit) < self.max_batch_size:
+        limit = self.slots if self.static_decode else self.max_batch_size
+        while self._queue and len(self._running) + len(admit) < limit:
             seq = self._queue.popleft()
             if seq.future.done():  # cancelled by its caller while queued
                 continue
@@ -359,6 +430,8 @@ class TorchGenerationEngine(GenerationBackend):
 
     @torch.inference_mode()
     def _step(self, admit: list[_Sequence]) -> list[_Sequence]:
+        if self.static_decode:
+            return self._static_step(admit)
         if self._needs_kv_rebuild:
             self._rebuild_kv()
         if admit:
@@ -386,7 +459,11 @@ class TorchGenerationEngine(GenerationBackend):
         self._cache = output.past_key_values
         self._mask = mask
         token_ids, logprobs = self._sample(output.logits[:, -1, :], self._running)
+        return self._record(token_ids, logprobs)
 
+    def _record(self, token_ids: list[int], logprobs: list[float]) -> list[_Sequence]:
+        """Append each running row's new token; retire the rows that finished."""
+        rows = len(self._running)
         version = self._version
         keep: list[int] = []
         finished: list[_Sequence] = []
@@ -398,7 +475,8 @@ class TorchGenerationEngine(GenerationBackend):
             if token in seq.stop_token_ids:
                 seq.finish_reason = "stop"
             elif len(seq.token_ids) >= seq.request.max_new_tokens or (
-                self.max_positions is not None and len(seq.all_tokens) >= self.max_positions
+                self.length_limit is not None
+                and len(seq.request.prompt_token_ids) + len(seq.token_ids) >= self.length_limit
             ):
                 seq.finish_reason = "length"
             if seq.finish_reason is None:
@@ -411,6 +489,62 @@ class TorchGenerationEngine(GenerationBackend):
         if finished:
             self._select_rows(keep)
         return finished
+
+    def _static_step(self, admit: list[_Sequence]) -> list[_Sequence]:
+        decoder = self._ensure_decoder()
+        if self._needs_kv_rebuild:
+            self._needs_kv_rebuild = False
+            if self._running:
+                self._load_slots(decoder, self._running)
+                self.stats.kv_recomputes += 1
+        if admit:
+            if self._running:
+                self.stats.joined_running_batch += len(admit)
+            for seq in admit:
+                seq.slot = heapq.heappop(self._free_slots)
+            self._running.extend(admit)
+            self._load_slots(decoder, admit)
+        running = self._running
+        graphs_before = decoder.graph_count
+        token_ids, logprobs = decoder.step(
+            [seq.slot for seq in running],
+            [(seq.rng or self._rng).random() for seq in running],
+            max_position=max(
+                len(seq.request.prompt_token_ids) + len(seq.token_ids) for seq in running
+            )
+            - 1,
+            top_p=any(seq.request.top_p < 1.0 for seq in running),
+        )
+        self.stats.graph_captures += decoder.graph_count - graphs_before
+        return self._record(token_ids, logprobs)
+
+    def _ensure_decoder(self) -> StaticDecoder:
+        if self._decoder is None:
+            assert self.max_seq_len is not None
+            self._decoder = StaticDecoder(
+                self.model,
+                slots=self.slots,
+                max_len=self.max_seq_len,
+                use_graphs=self._use_graphs,
+                compile_step=self._compile_step,
+            )
+        if not self._decoder.allocated:
+            self._decoder.allocate()
+            self._needs_kv_rebuild = bool(self._running)
+        return self._decoder
+
+    def _load_slots(self, decoder: StaticDecoder, sequences: list[_Sequence]) -> None:
+        """Prefill ``sequences`` into their slots and set each slot's next input."""
+        slots = [seq.slot for seq in sequences]
+        decoder.prefill(slots, [seq.all_tokens[:-1] for seq in sequences])
+        decoder.set_rows(
+            slots,
+            tokens=[seq.all_tokens[-1] for seq in sequences],
+            positions=[len(seq.all_tokens) - 1 for seq in sequences],
+            temperatures=[seq.request.temperature for seq in sequences],
+            top_ps=[seq.request.top_p for seq in sequences],
+        )
+        self.stats.prefills += 1
 
     def _sample(
         self, logits: torch.Tensor, sequences: Sequence[_Sequence]
@@ -508,6 +642,14 @@ class TorchGenerationEngine(GenerationBackend):
 
     def _select_rows(self, keep: list[int]) -> None:
         """Keep only rows ``keep`` of the batch, then drop columns no kept row uses."""
+        if self.static_decode:
+            kept = set(keep)
+            for row, seq in enumerate(self._running):
+                if row not in kept:
+                    heapq.heappush(self._free_slots, seq.slot)
+                    seq.slot = -1
+            self._running = [self._running[row] for row in keep]
+            return
         self._running = [self._running[row] for row in keep]
         if not keep:
             self._cache, self._mask = None, None
@@ -539,8 +681,53 @@ class TorchGenerationEngine(GenerationBackend):
 
     def _reset_batch(self) -> None:
         self._running = []
+        # A failed step may leave the static cache half-written: start from a fresh one.
+        if self._decoder is not None:
+            self._decoder.release()
+        self._free_slots = list(range(self.slots))
         self._cache, self._mask = None, None
         self._needs_kv_rebuild = False
+
+    def _choose_static(self, cuda_graphs: str) -> bool:
+        if cuda_graphs == "off":
+            return False
+        reason = unsupported_reason(self.model)
+        if cuda_graphs == "on":
+            if reason is not None:
+                raise ValueError(
+                    f"policy.generation.torch.cuda_graphs='on': the static decode path does not "
+                    f"support this model: {reason}; use 'auto' or 'off'"
+                )
+            return True
+        return self.device.type == "cuda" and reason is None
+
+    def _plan_slots(self, memory_fraction: float) -> int:
+        """``max_batch_size``, or fewer slots where the free device memory holds fewer."""
+        if self.device.type != "cuda":
+            return self.max_batch_size
+        assert self.max_seq_len is not None
+        free, _ = torch.cuda.mem_get_info(self.device)
+        slot_bytes = self.max_seq_len * kv_bytes_per_token(self.model)
+        # Keep room for the graphs' activations (logits of every slot, float32, a few copies).
+        reserve = 6 * self.max_batch_size * self.vocab_size * 4
+        fits = int((free * memory_fraction - reserve) // slot_bytes)
+        if fits < 1:
+            raise ValueError(
+                f"static KV cache: one slot of policy.generation.torch.max_seq_len="
+                f"{self.max_seq_len} tokens needs {slot_bytes / 2**20:.1f} MiB, but "
+                f"kv_cache_memory_fraction={memory_fraction} of the {free / 2**30:.1f} GiB free "
+                f"leaves less; lower max_seq_len or raise the fraction"
+            )
+        if fits < self.max_batch_size:
+            logger.warning(
+                "static KV cache: %d slots of %d tokens fit in %.0f%% of the free memory "
+                "(max_batch_size %d)",
+                fits,
+                self.max_seq_len,
+                100 * memory_fraction,
+                self.max_batch_size,
+            )
+        return min(self.max_batch_size, fits)
 
     @torch.inference_mode()
     def _load_state_dict(self, weights: Mapping[str, torch.Tensor]) -> None:

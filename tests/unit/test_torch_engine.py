@@ -65,13 +65,24 @@ def new_model(model_path: Path, new_weights: dict[str, torch.Tensor]) -> PreTrai
     return model
 
 
+# Every engine test runs on both decode paths: the dynamic batch ("off") and the static slot
+# table of static_decode ("on": on CPU the same step as the CUDA graphs, run eagerly).
+DECODE_PATH = {"cuda_graphs": "off"}
+
+
+@pytest.fixture(params=["off", "on"], autouse=True)
+def decode_path(request: pytest.FixtureRequest) -> str:
+    DECODE_PATH["cuda_graphs"] = request.param
+    return request.param
+
+
 def run_with_engine(
     model_path: Path,
     body: Callable[[TorchGenerationEngine], Awaitable[None]],
     **options: object,
 ) -> None:
     async def main() -> None:
-        engine = TorchGenerationEngine(model_path, device="cpu", **options)
+        engine = TorchGenerationEngine(model_path, device="cpu", **{**DECODE_PATH, **options})
         try:
             await asyncio.wait_for(body(engine), timeout=30)
         finally:

@@ -1,0 +1,532 @@
+"""Static-cache decode for Qwen2/Llama-family models: fixed row slots, one step per graph replay.
+
+What it owns: a KV cache of shape ``[layers, slots, kv_heads, max_len, head_dim]`` (keys and
+values), the per-slot decode state (the token to feed, its position, sampling parameters) and a
+hand-written decode step over the transformers model's own parameters, captured as CUDA graphs.
+The torch engine (``torch_engine.py``) owns the requests; it maps each running sequence to a
+slot and calls ``prefill`` (admission, recompute-KV), ``set_rows`` and ``step``.
+
+One step, for slots ``[0, rows)`` (``rows`` a power-of-two bucket above the highest busy slot):
+embed each slot's token, run every layer (RMSNorm, one fused QKV projection, rotary embedding,
+write K/V at the slot's position, attention over the first ``length`` cache positions with
+positions after the slot's own masked, output projection, RMSNorm, one fused gate/up projection,
+SiLU, down projection), then sample one token per slot from the tempered distribution (inverse
+CDF of a host-drawn uniform, optional top-p; greedy slots take the argmax) and write the token,
+its logprob, the next position and the next input token in place. Free slots inside the bucket
+are computed and ignored. Shapes are static per ``(rows, length, top_p)``, so on CUDA each such
+key is captured once as a graph and replayed; on CPU the same code runs eagerly (tests).
+
+Weights are *views*, never copies: ``fuse_projections`` concatenates q/k/v (and gate/up) once and
+rebinds the model's own parameters as views of the fused tensors. A weight update that
+``copy_``-s into the parameters (``load_state_dict``) therefore updates the fused tensors and
+every captured graph sees the new weights without recapture. Prefill is the model's ordinary
+forward pass on right-padded prompts; its keys/values are copied into the slots.
+
+Logprob convention: the torch engine's (``log_softmax(logits / temperature)`` of float32 logits;
+temperature 1 for greedy rows; top-p changes the draw, not the reported logprob).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+# Smallest graph buckets: fewer, larger graphs; a step never attends fewer cache positions.
+MIN_ROWS_BUCKET = 8
+MIN_LENGTH_BUCKET = 64
+# Vocabulary block of the two-level inverse-CDF sampler (see StaticDecoder._sample_tokens).
+SAMPLE_BLOCK = 128
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why ``model`` cannot use the static decode step, or None when it can."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model_type {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        return f"rope_type {rope_type!r} (only the default rotary embedding)"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"hidden_act {config.hidden_act!r} (only silu)"
+    if getattr(config, "use_sliding_window", False):
+        return "sliding-window attention"
+    layer_types = getattr(config, "layer_types", None) or []
+    if any(kind != "full_attention" for kind in layer_types):
+        return f"layer types {sorted(set(layer_types))} (only full attention)"
+    if getattr(config, "mlp_bias", False):
+        return "MLP biases"
+    return None
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer's tensors, all views of the model's parameters."""
+
+    input_norm: torch.Tensor
+    qkv_weight: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o_weight: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up_weight: torch.Tensor
+    down_weight: torch.Tensor
+
+
+def _adjacent(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether ``tensors`` lie back to back in one storage, in order."""
+    storage = tensors[0].untyped_storage().data_ptr()
+    return all(
+        tensor.untyped_storage().data_ptr() == storage and tensor.is_contiguous()
+        for tensor in tensors
+    ) and all(
+        tensors[i + 1].storage_offset() == tensors[i].storage_offset() + tensors[i].numel()
+        for i in range(len(tensors) - 1)
+    )
+
+
+def _span(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One tensor over adjacent ``tensors`` (concatenated along dim 0), sharing their storage."""
+    first = tensors[0]
+    shape = (sum(tensor.shape[0] for tensor in tensors), *first.shape[1:])
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), shape)
+
+
+def _fuse_linears(linears: Sequence[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate ``linears`` along the output dim and rebind each as a view of the result."""
+    weights = [linear.weight for linear in linears]
+    biases = [linear.bias for linear in linears]
+    if any(bias is None for bias in biases) and not all(bias is None for bias in biases):
+        raise ValueError("static decode: fused projections must all have biases or none")
+    has_bias = biases[0] is not None
+    if _adjacent(weights) and (not has_bias or _adjacent(biases)):
+        return _span(weights), _span(biases) if has_bias else None
+    sizes = [weight.shape[0] for weight in weights]
+    with torch.no_grad():
+        fused = torch.cat([weight.detach() for weight in weights])
+        for linear, part in zip(linears, fused.split(sizes), strict=True):
+            linear.weight = torch.nn.Parameter(part, requires_grad=linear.weight.requires_grad)
+        fused_bias = None
+        if has_bias:
+            fused_bias = torch.cat([bias.detach() for bias in biases])
+            for linear, part in zip(linears, fused_bias.split(sizes), strict=True):
+                linear.bias = torch.nn.Parameter(part, requires_grad=linear.bias.requires_grad)
+    return fused, fused_bias
+
+
+def fuse_projections(model: torch.nn.Module) -> list[LayerWeights]:
+    """Per-layer weight views; q/k/v and gate/up become views of one fused tensor each.
+
+    Idempotent: a model whose projections are already adjacent views is left as it is.
+    """
+    layers = []
+    for layer in model.model.layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        qkv_weight, qkv_bias = _fuse_linears([attention.q_proj, attention.k_proj, attention.v_proj])
+        gate_up_weight, _ = _fuse_linears([mlp.gate_proj, mlp.up_proj])
+        layers.append(
+            LayerWeights(
+                input_norm=layer.input_layernorm.weight,
+                qkv_weight=qkv_weight,
+                qkv_bias=qkv_bias,
+                o_weight=attention.o_proj.weight,
+                o_bias=attention.o_proj.bias,
+                post_norm=layer.post_attention_layernorm.weight,
+                gate_up_weight=gate_up_weight,
+                down_weight=mlp.down_proj.weight,
+            )
+        )
+    return layers
+
+
+def kv_bytes_per_token(model: torch.nn.Module) -> int:
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    element = next(model.parameters()).element_size()
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * element
+
+
+def bucket(value: int, minimum: int, cap: int) -> int:
+    """Smallest power of two >= ``value`` (at least ``minimum``), at most ``cap``."""
+    size = minimum
+    while size < value:
+        size *= 2
+    return min(size, cap)
+
+
+class StaticDecoder:
+    """Slots, their KV cache and the decode step of one model (see the module docstring).
+
+    ``use_graphs``: capture each ``(rows, length, top_p)`` step as a CUDA graph (CUDA only).
+    ``compile_step``: fuse the elementwise work around the matrix products with
+    ``torch.compile`` (CUDA only; compiled once per shape family, before any capture).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        slots: int,
+        max_len: int,
+        use_graphs: bool,
+        compile_step: bool,
+    ) -> None:
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"static decode does not support this model: {reason}")
+        parameter = next(model.parameters())
+        self.device, self.dtype = parameter.device, parameter.dtype
+        if (use_graphs or compile_step) and self.device.type != "cuda":
+            raise ValueError("static decode: CUDA graphs and torch.compile need a CUDA model")
+        config = model.config
+        self.model = model
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.group = self.heads // self.kv_heads
+        self.eps = config.rms_norm_eps
+        self.scale = self.head_dim**-0.5
+        self.vocab_size = int(model.get_input_embeddings().num_embeddings)
+        self.layers = fuse_projections(model)
+        self.embedding = model.get_input_embeddings().weight
+        self.final_norm = model.model.norm.weight
+        self.lm_head = model.get_output_embeddings().weight
+        rotary = model.model.rotary_emb
+        self.inv_freq = rotary.inv_freq.to(self.device, torch.float32)
+        self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
+        self.slots, self.max_len = slots, max_len
+        self.use_graphs, self.compile_step = use_graphs, compile_step
+
+        self.keys = self.values = torch.empty(0)
+        self.allocate()
+        on = {"device": self.device}
+        self.tokens = torch.zeros(slots, dtype=torch.long, **on)
+        self.positions = torch.zeros(slots, dtype=torch.long, **on)
+        self.temperatures = torch.ones(slots, dtype=torch.float32, **on)
+        self.greedy = torch.zeros(slots, dtype=torch.bool, **on)
+        self.top_p = torch.ones(slots, dtype=torch.float32, **on)
+        self.uniforms = torch.full((slots,), 0.5, dtype=torch.float32, **on)
+        # Row 0: sampled token, row 1: its logprob (float64 holds every token id exactly).
+        self.out = torch.zeros(2, slots, dtype=torch.float64, **on)
+        self.cache_positions = torch.arange(max_len, **on)
+        self.row_index = torch.arange(slots, **on)
+        self.no_delta = torch.zeros(slots, config.hidden_size, dtype=self.dtype, **on)
+
+        self._attention_in: Callable[..., Any] = self._attention_in_eager
+        self._attention_out_mlp: Callable[..., Any] = self._attention_out_mlp_eager
+        self._head: Callable[..., Any] = self._head_eager
+        self._vocab_blocks: Callable[..., Any] = self._vocab_blocks_eager
+        if compile_step:
+            self._attention_in = torch.compile(self._attention_in_eager, fullgraph=True)
+            self._attention_out_mlp = torch.compile(self._attention_out_mlp_eager, fullgraph=True)
+            self._head = torch.compile(self._head_eager, fullgraph=True)
+            # Only the full-vocabulary pass: inductor cannot fuse a long scan with reductions.
+            self._vocab_blocks = torch.compile(self._vocab_blocks_eager, fullgraph=True)
+        self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
+        self._pool: Any = torch.cuda.graph_pool_handle() if use_graphs else None
+
+    @property
+    def allocated(self) -> bool:
+        return self.keys.numel() > 0
+
+    def allocate(self) -> None:
+        """(Re)create the KV cache; every slot's keys/values start at zero."""
+        if self.allocated:
+            return
+        shape = (len(self.layers), self.slots, self.kv_heads, self.max_len, self.head_dim)
+        # Zeros, not empty: a masked position must never hold a NaN (0 x NaN poisons attention).
+        self.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.values = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.use_graphs:
+            self._pool = torch.cuda.graph_pool_handle()
+
+    def release(self) -> None:
+        """Free the KV cache and the graphs (and their memory pool); ``allocate`` rebuilds.
+
+        The compiled step functions survive, so a rebuild recaptures graphs but never
+        recompiles.
+        """
+        self._graphs.clear()
+        self._pool = None
+        self.keys = self.values = torch.empty(0)
+
+    @property
+    def cache_bytes(self) -> int:
+        return 2 * self.keys.numel() * self.keys.element_size()
+
+    @property
+    def graph_count(self) -> int:
+        return len(self._graphs)
+
+    # ------------------------------------------------------------------ state of the slots
+
+    @torch.inference_mode()
+    def prefill(self, slots: Sequence[int], prefixes: Sequence[Sequence[int]]) -> None:
+        """Keys/values of each ``prefixes[i]`` (positions 0..len-1) into slot ``slots[i]``."""
+        work = [(slot, list(prefix)) for slot, prefix in zip(slots, prefixes, strict=True)]
+        work = [(slot, prefix) for slot, prefix in work if prefix]
+        if not work:
+            return
+        width = max(len(prefix) for _, prefix in work)
+        if width > self.max_len:
+            raise ValueError(f"static decode: prefix of {width} tokens > cache length")
+        # Right padding: causal attention never lets a real token see the padding after it,
+        # and the padding's keys/values land on positions the row overwrites before reading.
+        input_ids = torch.zeros(len(work), width, dtype=torch.long)
+        for row, (_, prefix) in enumerate(work):
+            input_ids[row, : len(prefix)] = torch.tensor(prefix, dtype=torch.long)
+        output = self.model(input_ids=input_ids.to(self.device), use_cache=True, logits_to_keep=1)
+        index = torch.tensor([slot for slot, _ in work], dtype=torch.long, device=self.device)
+        for layer, cached in enumerate(output.past_key_values.layers):
+            self.keys[layer, index, :, :width] = cached.keys.to(self.dtype)
+            self.values[layer, index, :, :width] = cached.values.to(self.dtype)
+
+    @torch.inference_mode()
+    def set_rows(
+        self,
+        slots: Sequence[int],
+        *,
+        tokens: Sequence[int],
+        positions: Sequence[int],
+        temperatures: Sequence[float],
+        top_ps: Sequence[float],
+    ) -> None:
+        """Next input token, its position and the sampling parameters of each slot."""
+        index = torch.tensor(list(slots), dtype=torch.long, device=self.device)
+        self.tokens[index] = torch.tensor(list(tokens), dtype=torch.long, device=self.device)
+        self.positions[index] = torch.tensor(list(positions), device=self.device)
+        self.greedy[index] = torch.tensor([t == 0 for t in temperatures], device=self.device)
+        self.temperatures[index] = torch.tensor(
+            [t if t > 0 else 1.0 for t in temperatures], dtype=torch.float32, device=self.device
+        )
+        self.top_p[index] = torch.tensor(list(top_ps), dtype=torch.float32, device=self.device)
+
+    @torch.inference_mode()
+    def step(
+        self, slots: Sequence[int], uniforms: Sequence[float], max_position: int, top_p: bool
+    ) -> tuple[list[int], list[float]]:
+        """One decode step; the sampled token and its logprob for each of ``slots``."""
+        if not self.allocated:
+            raise RuntimeError("static decode: step after release() without allocate()")
+        rows = bucket(max(slots) + 1, MIN_ROWS_BUCKET, self.slots)
+        length = bucket(max_position + 1, MIN_LENGTH_BUCKET, self.max_len)
+        drawn = [0.5] * rows
+        for slot, uniform in zip(slots, uniforms, strict=True):
+            drawn[slot] = uniform
+        self.uniforms[:rows].copy_(torch.tensor(drawn, dtype=torch.float32), non_blocking=True)
+        key = (rows, length, top_p)
+        if self.use_graphs:
+            graph = self._graphs.get(key)
+            if graph is None:
+                graph = self._capture(key)
+            graph.replay()
+        else:
+            self._decode(*key)
+        out = self.out[:, :rows].cpu()
+        tokens, logprobs = out[0].long().tolist(), out[1].tolist()
+        return [tokens[slot] for slot in slots], [logprobs[slot] for slot in slots]
+
+    # ------------------------------------------------------------------ the step
+
+    def _capture(self, key: tuple[int, int, bool]) -> torch.cuda.CUDAGraph:
+        # Warm-up runs (compilation, cuBLAS workspaces) happen on a side stream, as capture
+        # requires; they write the same keys/values the real step writes, and the slots'
+        # tokens/positions/outputs are restored afterwards.
+        saved = [tensor.clone() for tensor in (self.tokens, self.positions, self.out)]
+
+        def restore() -> None:
+            for tensor, copy in zip((self.tokens, self.positions, self.out), saved, strict=True):
+                tensor.copy_(copy)
+
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._decode(*key)
+                restore()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: another thread (a trainer sharing the GPU) may use CUDA meanwhile.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            self._decode(*key)
+        restore()
+        self._graphs[key] = graph
+        return graph
+
+    def _decode(self, rows: int, length: int, top_p: bool) -> None:
+        logits = self.forward(rows, length)
+        positions = self.positions[:rows]
+        token, logprob = self._sample_tokens(
+            logits,
+            self.temperatures[:rows],
+            self.greedy[:rows],
+            self.uniforms[:rows],
+            self.top_p[:rows] if top_p else None,
+        )
+        self.out[0, :rows] = token.to(torch.float64)
+        self.out[1, :rows] = logprob.to(torch.float64)
+        self.tokens[:rows] = token
+        # Free slots keep counting too; the clamp keeps their (ignored) writes inside the cache.
+        self.positions[:rows] = (positions + 1).clamp(max=self.max_len - 1)
+
+    def forward(self, rows: int, length: int) -> torch.Tensor:
+        """Logits [rows, vocab] of slots [0, rows) fed their token at their position.
+
+        Writes each slot's keys/values at its position; attends the first ``length`` cache
+        positions (``length`` must exceed every position among the rows that matter).
+        """
+        tokens, positions = self.tokens[:rows], self.positions[:rows]
+        hidden = F.embedding(tokens, self.embedding)
+        angles = positions[:, None].float() * self.inv_freq[None, :]
+        angles = torch.cat([angles, angles], dim=-1)
+        cos = (angles.cos() * self.rope_scaling).to(self.dtype)[:, None, :]
+        sin = (angles.sin() * self.rope_scaling).to(self.dtype)[:, None, :]
+        visible = self.cache_positions[None, :length] <= positions[:, None]  # [rows, length]
+        delta = self.no_delta[:rows]
+        row_index = self.row_index[:rows]
+        for index, weights in enumerate(self.layers):
+            hidden, q, k, v = self._attention_in(
+                hidden, delta, weights.input_norm, weights.qkv_weight, weights.qkv_bias, cos, sin
+            )
+            self.keys[index, row_index, :, positions] = k
+            self.values[index, row_index, :, positions] = v
+            hidden, delta = self._attention_out_mlp(
+                hidden,
+                q,
+                self.keys[index, :rows, :, :length],
+                self.values[index, :rows, :, :length],
+                visible,
+                weights.o_weight,
+                weights.o_bias,
+                weights.post_norm,
+                weights.gate_up_weight,
+                weights.down_weight,
+            )
+        return self._head(hidden, delta, self.final_norm, self.lm_head)
+
+    def _rms_norm(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        as_float = hidden.float()
+        as_float = as_float * torch.rsqrt(as_float.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * as_float.to(hidden.dtype)
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+    def _attention_in_eager(
+        self,
+        hidden: torch.Tensor,
+        delta: torch.Tensor,
+        norm: torch.Tensor,
+        qkv_weight: torch.Tensor,
+        qkv_bias: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        rows = hidden.shape[0]
+        hidden = hidden + delta
+        qkv = F.linear(self._rms_norm(hidden, norm), qkv_weight, qkv_bias)
+        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        q = qkv[:, :q_size].reshape(rows, self.heads, self.head_dim)
+        k = qkv[:, q_size : q_size + kv_size].reshape(rows, self.kv_heads, self.head_dim)
+        v = qkv[:, q_size + kv_size :].reshape(rows, self.kv_heads, self.head_dim)
+        return hidden, self._rope(q, cos, sin), self._rope(k, cos, sin), v
+
+    def _attention_out_mlp_eager(
+        self,
+        hidden: torch.Tensor,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        visible: torch.Tensor,
+        o_weight: torch.Tensor,
+        o_bias: torch.Tensor | None,
+        post_norm: torch.Tensor,
+        gate_up_weight: torch.Tensor,
+        down_weight: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = hidden.shape[0]
+        # The query heads that share a KV head are that head's "query positions": no repeat.
+        grouped = q.reshape(rows, self.kv_heads, self.group, self.head_dim)
+        scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * self.scale
+        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+        weights = torch.softmax(scores, dim=-1).to(values.dtype)
+        attended = torch.matmul(weights, values).reshape(rows, self.heads * self.head_dim)
+        hidden = hidden + F.linear(attended, o_weight, o_bias)
+        gate, up = F.linear(self._rms_norm(hidden, post_norm), gate_up_weight).chunk(2, dim=-1)
+        return hidden, F.linear(F.silu(gate) * up, down_weight)
+
+    def _head_eager(
+        self, hidden: torch.Tensor, delta: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor
+    ) -> torch.Tensor:
+        return F.linear(self._rms_norm(hidden + delta, norm), lm_head)
+
+    def _vocab_blocks_eager(
+        self, logits: torch.Tensor, temperatures: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One pass over the logits: log-normaliser, per-block probability mass, argmax."""
+        tempered = logits.float() / temperatures[:, None]
+        log_norm = torch.logsumexp(tempered, dim=-1, keepdim=True)
+        padding = -tempered.shape[-1] % SAMPLE_BLOCK
+        padded = F.pad(tempered, (0, padding), value=float("-inf"))
+        masses = (padded - log_norm).exp().view(tempered.shape[0], -1, SAMPLE_BLOCK).sum(-1)
+        return log_norm, masses, logits.argmax(dim=-1)
+
+    def _sample_tokens(
+        self,
+        logits: torch.Tensor,
+        temperatures: torch.Tensor,
+        greedy: torch.Tensor,
+        uniforms: torch.Tensor,
+        top_p: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inverse-CDF draw of the tempered distribution (the torch engine's sampler).
+
+        Without top-p, the CDF is found in two levels, so no full-vocabulary cumulative sum
+        is ever written: block masses (one fused pass), the block holding ``u x total`` mass,
+        then the token inside that block. The result is the plain inverse CDF up to the
+        summation order of the float32 masses.
+        """
+        if top_p is not None:
+            return _sample_sorted(logits, temperatures, greedy, uniforms, top_p)
+        log_norm, masses, argmax = self._vocab_blocks(logits, temperatures)
+        vocab = logits.shape[1]
+        block_cdf = masses.cumsum(dim=-1)
+        target = uniforms[:, None] * block_cdf[:, -1:]
+        block = torch.searchsorted(block_cdf, target, right=True).clamp(max=masses.shape[1] - 1)
+        before = block_cdf.gather(1, block) - masses.gather(1, block)
+        columns = block * SAMPLE_BLOCK + torch.arange(SAMPLE_BLOCK, device=logits.device)
+        inside = logits.gather(1, columns.clamp(max=vocab - 1)).float() / temperatures[:, None]
+        inside = (inside - log_norm).exp().masked_fill(columns >= vocab, 0.0)
+        offset = torch.searchsorted(inside.cumsum(dim=-1), target - before, right=True)
+        picks = (block * SAMPLE_BLOCK + offset.clamp(max=SAMPLE_BLOCK - 1)).clamp(max=vocab - 1)
+        tokens = torch.where(greedy[:, None], argmax[:, None], picks)
+        chosen = logits.gather(1, tokens).float() / temperatures[:, None] - log_norm
+        return tokens[:, 0], chosen[:, 0]
+
+
+def _sample_sorted(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    greedy: torch.Tensor,
+    uniforms: torch.Tensor,
+    top_p: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The engine's top-p sampler: inverse CDF over the sorted, truncated distribution."""
+    logits = logits.float()
+    logprobs = torch.log_softmax(logits / temperatures[:, None], dim=-1)
+    sorted_probs, order = logprobs.exp().sort(dim=-1, descending=True)
+    outside = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]
+    cdf = sorted_probs.masked_fill(outside, 0.0).cumsum(dim=-1)
+    picks = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True)
+    picks = order.gather(1, picks.clamp(max=cdf.shape[-1] - 1))
+    tokens = torch.where(greedy[:, None], logits.argmax(dim=-1, keepdim=True), picks)
+    return tokens[:, 0], logprobs.gather(1, tokens)[:, 0]

@@ -1,0 +1,238 @@
+"""The static-cache decode step against transformers; CUDA graphs and the engine on CUDA."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import PreTrainedModel
+
+from tandemrl.generation.static_decode import (
+    StaticDecoder,
+    _sample_sorted,
+    bucket,
+    fuse_projections,
+    unsupported_reason,
+)
+from tandemrl.generation.torch_engine import TorchGenerationEngine
+from tandemrl.models import load_causal_lm, resolve_model_path
+from tandemrl.records import GenerationRequest
+
+torch.set_num_threads(1)
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _varied(model: PreTrainedModel, seed: int) -> PreTrainedModel:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            noise = torch.randn(parameter.shape, generator=generator) * 0.1
+            parameter.add_(noise.to(parameter.device, parameter.dtype))
+    return model
+
+
+@pytest.fixture(scope="module", params=["qwen2-counting", "llama-small"])
+def preset_path(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    base = resolve_model_path(f"tiny://{request.param}", tmp_path_factory.mktemp("cache"))
+    folder = tmp_path_factory.mktemp(request.param)
+    _varied(load_causal_lm(base, device="cpu"), seed=3).save_pretrained(folder)
+    return folder
+
+
+def _reference_logits(model: PreTrainedModel, tokens: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(tokens).logits.float()
+
+
+def test_decode_step_matches_transformers_logits(preset_path: Path) -> None:
+    reference_model = load_causal_lm(preset_path, device="cpu", dtype="float32")
+    model = load_causal_lm(preset_path, device="cpu", dtype="float32")
+    vocab = model.config.vocab_size
+    tokens = torch.randint(3, vocab, (3, 20), generator=torch.Generator().manual_seed(0))
+    reference = _reference_logits(reference_model, tokens)
+    decoder = StaticDecoder(model, slots=8, max_len=32, use_graphs=False, compile_step=False)
+    # Slots 5, 1, 6 (a gap and an unordered table), fed token by token: the step's own K/V.
+    slots = torch.tensor([5, 1, 6])
+    with torch.inference_mode():
+        for position in range(tokens.shape[1]):
+            decoder.tokens[slots] = tokens[:, position]
+            decoder.positions[slots] = position
+            logits = decoder.forward(8, 32)[slots]
+            expected = reference[:, position]
+            error = (logits - expected).abs().max() / expected.abs().max()
+            assert error < 1e-5, (position, float(error))
+
+
+def test_prefill_then_step_matches_transformers(preset_path: Path) -> None:
+    reference_model = load_causal_lm(preset_path, device="cpu", dtype="float32")
+    model = load_causal_lm(preset_path, device="cpu", dtype="float32")
+    tokens = torch.randint(3, model.config.vocab_size, (3, 20), generator=torch.Generator())
+    reference = _reference_logits(reference_model, tokens)
+    decoder = StaticDecoder(model, slots=4, max_len=24, use_graphs=False, compile_step=False)
+    lengths = [10, 15, 19]  # different prompt lengths: the prefill pads on the right
+    slots = [2, 0, 1]
+    decoder.prefill(slots, [tokens[row, :n].tolist() for row, n in enumerate(lengths)])
+    decoder.set_rows(
+        slots,
+        tokens=[int(tokens[row, n]) for row, n in enumerate(lengths)],
+        positions=lengths,
+        temperatures=[0.0, 1.0, 0.5],
+        top_ps=[1.0, 1.0, 0.9],
+    )
+    with torch.inference_mode():
+        logits = decoder.forward(4, 24)
+    for row, (slot, n) in enumerate(zip(slots, lengths, strict=True)):
+        expected = reference[row, n]
+        assert float((logits[slot] - expected).abs().max() / expected.abs().max()) < 1e-5
+
+
+def test_sampled_step_reports_tempered_logprobs_and_advances(preset_path: Path) -> None:
+    model = load_causal_lm(preset_path, device="cpu", dtype="float32")
+    decoder = StaticDecoder(model, slots=2, max_len=16, use_graphs=False, compile_step=False)
+    decoder.set_rows(
+        [0, 1], tokens=[5, 7], positions=[0, 0], temperatures=[0.0, 0.7], top_ps=[1, 1]
+    )
+    with torch.inference_mode():
+        logits = decoder.forward(2, 16).clone()
+    decoder.set_rows(
+        [0, 1], tokens=[5, 7], positions=[0, 0], temperatures=[0.0, 0.7], top_ps=[1, 1]
+    )
+    tokens, logprobs = decoder.step([0, 1], [0.3, 0.3], max_position=0, top_p=False)
+    assert tokens[0] == int(logits[0].argmax())  # greedy
+    expected = [
+        torch.log_softmax(logits[0], -1)[tokens[0]],
+        torch.log_softmax(logits[1] / 0.7, -1)[tokens[1]],
+    ]
+    assert max(abs(a - float(b)) for a, b in zip(logprobs, expected, strict=True)) < 1e-5
+    assert decoder.positions[:2].tolist() == [1, 1]
+    assert decoder.tokens[:2].tolist() == tokens
+
+
+def test_two_level_sampler_is_the_plain_inverse_cdf(preset_path: Path) -> None:
+    model = load_causal_lm(preset_path, device="cpu", dtype="float32")
+    decoder = StaticDecoder(model, slots=2, max_len=8, use_graphs=False, compile_step=False)
+    generator = torch.Generator().manual_seed(4)
+    rows, vocab = 64, 1000  # not a multiple of the block: the last block is padded
+    logits = torch.randn(rows, vocab, generator=generator) * 3
+    temperatures = torch.rand(rows, generator=generator) + 0.5
+    greedy = torch.arange(rows) % 5 == 0
+    uniforms = torch.rand(rows, generator=generator)
+    tokens, logprobs = decoder._sample_tokens(logits, temperatures, greedy, uniforms, None)
+    # top_p = 1 keeps the whole distribution: the sorted sampler is then the plain one.
+    expected_tokens, expected_logprobs = _sample_sorted(
+        logits, temperatures, greedy, uniforms, torch.ones(rows)
+    )
+    plain = torch.log_softmax(logits / temperatures[:, None], -1).exp().cumsum(-1)
+    by_cdf = torch.searchsorted(plain, (uniforms * plain[:, -1])[:, None], right=True)[:, 0]
+    assert torch.equal(tokens[~greedy], by_cdf[~greedy])
+    assert torch.equal(tokens[greedy], logits.argmax(-1)[greedy])
+    tempered = torch.log_softmax(logits / temperatures[:, None], -1)
+    assert torch.allclose(logprobs, tempered.gather(1, tokens[:, None])[:, 0], atol=1e-5)
+    # The sorted sampler draws from a permuted CDF: same law, other tokens; greedy agrees.
+    assert torch.equal(expected_tokens[greedy], tokens[greedy])
+    assert torch.allclose(expected_logprobs[greedy], logprobs[greedy], atol=1e-5)
+
+
+def test_fused_weights_follow_load_state_dict(preset_path: Path) -> None:
+    model = load_causal_lm(preset_path, device="cpu", dtype="float32")
+    layers = fuse_projections(model)
+    assert fuse_projections(model)[0].qkv_weight.data_ptr() == layers[0].qkv_weight.data_ptr()
+    other = _varied(load_causal_lm(preset_path, device="cpu", dtype="float32"), seed=9)
+    with torch.no_grad():
+        model.load_state_dict(other.state_dict())
+    attention = other.model.layers[1].self_attn
+    expected = torch.cat(
+        [attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight]
+    )
+    assert torch.equal(layers[1].qkv_weight, expected)
+    mlp = other.model.layers[1].mlp
+    assert torch.equal(
+        layers[1].gate_up_weight, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+    )
+    # The model itself still computes what the other one does.
+    tokens = torch.tensor([[5, 6, 7, 8]])
+    assert torch.allclose(_reference_logits(model, tokens), _reference_logits(other, tokens))
+
+
+def test_buckets_and_unsupported_models(preset_path: Path) -> None:
+    assert [bucket(n, 8, 256) for n in (1, 8, 9, 200, 300)] == [8, 8, 16, 256, 256]
+    model = load_causal_lm(preset_path, device="cpu")
+    assert unsupported_reason(model) is None
+    model.config.rope_parameters = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}
+    assert "yarn" in (unsupported_reason(model) or "")
+    with pytest.raises(ValueError, match="does not support"):
+        StaticDecoder(model, slots=2, max_len=8, use_graphs=False, compile_step=False)
+
+
+def test_engine_knob_refuses_unsupported_model_and_bad_values(preset_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"cuda_graphs='sometimes'"):
+        TorchGenerationEngine(preset_path, device="cpu", cuda_graphs="sometimes")
+    engine = TorchGenerationEngine(preset_path, device="cpu", cuda_graphs="on", max_seq_len=12)
+    assert engine.static_decode and engine.slots == engine.max_batch_size
+
+    async def body() -> None:
+        with pytest.raises(ValueError, match=r"max_seq_len=12"):
+            await engine.generate([GenerationRequest("long", [5] * 12, 4)])
+        (result,) = await engine.generate([GenerationRequest("r", [5] * 8, 10)])
+        assert len(result.token_ids) == 4 and result.finish_reason in ("length", "stop")
+        await engine.shutdown()
+
+    asyncio.run(body())
+    assert not TorchGenerationEngine(preset_path, device="cpu").static_decode  # auto on CPU
+
+
+# --------------------------------------------------------------------------- CUDA only
+
+
+@cuda_only
+@pytest.mark.parametrize("compile_step", [False, True])
+def test_graph_replay_matches_eager_step(preset_path: Path, compile_step: bool) -> None:
+    model = load_causal_lm(preset_path, device="cuda", dtype="float32")
+    eager = StaticDecoder(model, slots=16, max_len=64, use_graphs=False, compile_step=False)
+    graphed = StaticDecoder(model, slots=16, max_len=64, use_graphs=True, compile_step=compile_step)
+    prompts = [[5 + i, 6, 7 + i, 8][: 2 + i % 3] for i in range(5)]
+    slots = [0, 3, 4, 9, 2]
+    for decoder in (eager, graphed):
+        decoder.prefill(slots, [prompt[:-1] for prompt in prompts])
+        decoder.set_rows(
+            slots,
+            tokens=[prompt[-1] for prompt in prompts],
+            positions=[len(prompt) - 1 for prompt in prompts],
+            temperatures=[0.0, 1.0, 0.8, 0.0, 1.2],
+            top_ps=[1.0, 0.9, 1.0, 1.0, 0.5],
+        )
+    for step in range(12):
+        uniforms = [((step * 7 + slot) % 10) / 10 + 0.05 for slot in slots]
+        position = 3 + step
+        expected = eager.step(slots, uniforms, max_position=position, top_p=True)
+        actual = graphed.step(slots, uniforms, max_position=position, top_p=True)
+        assert actual[0] == expected[0]
+        assert max(abs(a - b) for a, b in zip(actual[1], expected[1], strict=True)) < 1e-4
+    assert graphed.graph_count >= 1
+
+
+@cuda_only
+def test_engine_static_path_matches_plain_path_on_cuda(preset_path: Path) -> None:
+    prompts = [[5, 6, 7, 14], [9, 14], [4], [10, 11, 12, 13, 5, 6, 14]]
+
+    async def run(mode: str) -> list[list[int]]:
+        engine = TorchGenerationEngine(
+            preset_path, device="cuda", dtype="float32", cuda_graphs=mode, eos_token_ids=()
+        )
+        assert engine.static_decode == (mode == "on")
+        requests = [
+            GenerationRequest(f"r{i}", prompt, 12 + i, temperature=0.0)
+            for i, prompt in enumerate(prompts)
+        ]
+        results = await engine.generate(requests)
+        await engine.sleep()
+        await engine.wake()
+        again = await engine.generate(requests[:2])
+        await engine.shutdown()
+        assert [r.token_ids for r in again] == [r.token_ids for r in results[:2]]
+        return [result.token_ids for result in results]
+
+    assert asyncio.run(run("on")) == asyncio.run(run("off"))
