@@ -281,6 +281,26 @@ class ReplayBuffer:
         self._next_dispatch_index = next_index
         self._sort_live()
 
+    def adopt_committed(self, slot: Slot) -> None:
+        """Commit-log replay: re-install a group that committed after the restored snapshot.
+
+        Like a rolled-back claim it may push the live index above ``capacity`` (``reserve``
+        refuses until it drains); it keeps its logged dispatch position.
+        """
+        if slot.group_id in self:
+            raise ReplayBufferError(
+                f"adopt_committed: group {slot.group_id!r} is already in the buffer"
+            )
+        _check_rows(slot.group_id, slot.rows_meta, self.group_size, "adopt_committed")
+        if any(other.dispatch_index == slot.dispatch_index for other in self._live.values()):
+            raise ReplayBufferError(
+                f"adopt_committed: dispatch index {slot.dispatch_index} of {slot.group_id!r} is taken"
+            )
+        slot.ready = True
+        self._live[slot.group_id] = slot
+        self._next_dispatch_index = max(self._next_dispatch_index, slot.dispatch_index + 1)
+        self._sort_live()
+
     # ------------------------------------------------------------------ helpers
 
     def _sort_live(self) -> None:

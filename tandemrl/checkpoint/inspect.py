@@ -5,7 +5,8 @@ read-only) and reads the chosen rollout state: the step and trainer version it r
 the committed groups it makes selectable again, the unfinished groups it redispatches (with the
 recovery granularity stored for each and the siblings already staged), and why every other
 bundle is skipped (damaged — with the reason —, older, or written under a different config —
-with the changed dotpaths). Without a config the restore mode is taken as ``latest`` and no
+with the changed dotpaths), and what the commit log adds on top of the chosen bundle (records,
+groups it restores or reopens, torn tails ignored). Without a config the restore mode is taken as ``latest`` and no
 fingerprint is checked; the result says so. ``inspect_command`` prints it as text or JSON.
 """
 
@@ -16,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tandemrl.checkpoint.commit_log import branch_records, fold, list_segments, read_log
+from tandemrl.checkpoint.commit_replay import commit_log_dir
 from tandemrl.checkpoint.fingerprint import compatibility_identity
 from tandemrl.checkpoint.layout import (
     JOURNAL,
@@ -88,7 +91,44 @@ def _rollout_summary(directory: Path) -> dict[str, Any]:
         ],
         "shadow_prompts": len(state.shadow_prompts),
         "replacement_reserve": len(state.replacement_reserve),
+        "commit_log_next_lsn": state.commit_log_next_lsn,
     }
+
+
+def _commit_log_summary(
+    checkpoint_dir: Path, from_lsn: int | None, restore_mode: str
+) -> dict[str, Any] | None:
+    """The log on disk and what a restart replays from it (raises CheckpointCorrupt)."""
+    directory = commit_log_dir(checkpoint_dir)
+    if not directory.is_dir():
+        return None
+    contents = read_log(directory)
+    summary: dict[str, Any] = {
+        "path": str(directory),
+        "segments": [path.name for _, path in list_segments(directory)],
+        "records": len(contents.records),
+        "torn_tails_ignored": [f"{path} @ byte {offset}" for path, offset in contents.torn],
+        "replay_from_lsn": from_lsn,
+        "replayed_records": 0,
+        "committed_groups": [],
+        "reopened_groups": [],
+        "dropped_groups": [],
+    }
+    if from_lsn is None or restore_mode != "latest":
+        summary["note"] = (
+            "not replayed: the chosen state was written without the log"
+            if from_lsn is None
+            else "not replayed in restore_mode trainer_checkpoint"
+        )
+        return summary
+    replay = fold(branch_records(contents.records, from_lsn))
+    summary.update(
+        replayed_records=replay.records,
+        committed_groups=list(replay.committed),
+        reopened_groups=list(replay.admitted),
+        dropped_groups=sorted(replay.dropped),
+    )
+    return summary
 
 
 def _trainer_version(plan: RestorePlan) -> int:
@@ -129,6 +169,7 @@ def describe_checkpoint_dir(path: str | Path, cfg: MasterConfig | None = None) -
         "ignored_temporaries": _leftovers(checkpoint_dir),
         "journal": str(checkpoint_dir / JOURNAL) if (checkpoint_dir / JOURNAL).is_file() else None,
         "resume": None,
+        "commit_log": None,
     }
     try:
         plan = plan_restore_dir(checkpoint_dir, restore_mode=restore_mode, identity=identity)
@@ -152,6 +193,9 @@ def describe_checkpoint_dir(path: str | Path, cfg: MasterConfig | None = None) -
         result["trainer_version"] = _trainer_version(plan)
         assert plan.rollout_dir is not None
         result["resume"] = _rollout_summary(plan.rollout_dir)
+        result["commit_log"] = _commit_log_summary(
+            checkpoint_dir, result["resume"]["commit_log_next_lsn"], restore_mode
+        )
     except CheckpointCorrupt as exc:
         # Digests matched but the content does not parse: a restart fails here too.
         result.update(outcome="error", error=str(exc))
@@ -210,6 +254,27 @@ def render_text(info: dict[str, Any]) -> str:
                 policy = f"discards {len(staged)} staged sibling(s), regenerates every sibling"
             lines.append(f"  {group['group_id']:<14} {group['granularity']:<12} {policy}")
         lines.append(f"replacement reserve: {resume['replacement_reserve']} prompt(s)")
+    commit_log = info.get("commit_log")
+    if commit_log is not None:
+        lines.append(
+            f"commit log {commit_log['path']}: {commit_log['records']} record(s) in "
+            f"{len(commit_log['segments'])} segment(s)"
+        )
+        if "note" in commit_log:
+            lines.append(f"  {commit_log['note']}")
+        else:
+            lines.append(
+                f"  replays {commit_log['replayed_records']} record(s) from LSN "
+                f"{commit_log['replay_from_lsn']}: {len(commit_log['committed_groups'])} "
+                f"committed group(s) restored, {len(commit_log['reopened_groups'])} unfinished "
+                f"group(s) reopened, {len(commit_log['dropped_groups'])} dropped"
+            )
+            if commit_log["committed_groups"]:
+                lines.append(f"  committed: {' '.join(commit_log['committed_groups'])}")
+            if commit_log["reopened_groups"]:
+                lines.append(f"  reopened: {' '.join(commit_log['reopened_groups'])}")
+        for torn in commit_log["torn_tails_ignored"]:
+            lines.append(f"  ignored a record cut off by a kill: {torn}")
     if info["candidates"]:
         lines.append("bundles considered:")
         for candidate in info["candidates"]:

@@ -5,19 +5,22 @@ which the reader drops):
 
 - ``start``: an attempt began; ``resumed_step`` is the step it resumed after, with the
   committed groups and staged siblings its restore brought back.
+- ``staged``: siblings of a group finished (generated and scored), before the group commits.
 - ``generated``: a group committed; which siblings were generated fresh in this attempt and
   which were reused from token-capture staging.
 - ``trained``: a step closed; the groups it trained.
 
 ``lineage`` replays the journal into what the final model was actually trained on: a
 ``start`` that resumed after step N voids every ``trained`` event after step N of the earlier
-attempts. The chaos tests prove exactly-once training from it.
+attempts. The chaos tests prove exactly-once training from it, and that no finished group or
+sibling was generated again (``finished_again``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,13 +33,18 @@ class RunJournal:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.attempt = uuid.uuid4().hex[:12]
         self._handle = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - lives with the run
+        # The commit log's writer thread records ``staged`` events too.
+        self._lock = threading.Lock()
 
     def record(self, event: str, **fields: Any) -> None:
         line = json.dumps({"event": event, "attempt": self.attempt, **fields}, sort_keys=True)
-        self._handle.write(line + "\n")
-        self._handle.flush()
+        with self._lock:
+            self._handle.write(line + "\n")
+            self._handle.flush()
 
     def close(self) -> None:
+        if self._handle.closed:
+            return
         self._handle.flush()
         os.fsync(self._handle.fileno())
         self._handle.close()
@@ -63,6 +71,12 @@ class Lineage:
     # (attempt, group_id, sibling) of every fresh generation, over all attempts
     fresh_generations: list[tuple[str, str, int]] = field(default_factory=list)
     regenerated_after_restore: list[str] = field(default_factory=list)
+    # (group_id, sibling) -> the attempts in which it finished (``staged`` events)
+    finished_in: dict[tuple[str, int], set[str]] = field(default_factory=dict)
+
+    def finished_again(self) -> list[tuple[str, int]]:
+        """Siblings that finished in more than one attempt: work a restart repeated."""
+        return sorted(key for key, attempts in self.finished_in.items() if len(attempts) > 1)
 
     def trained_groups(self) -> list[str]:
         return [group for step in sorted(self.trained) for group in self.trained[step]]
@@ -87,6 +101,10 @@ def lineage(events: list[dict[str, Any]]) -> Lineage:
             }
         elif kind == "trained":
             result.trained[int(event["step"])] = list(event["groups"])
+        elif kind == "staged":
+            for sibling in event["siblings"]:
+                key = (event["group_id"], int(sibling))
+                result.finished_in.setdefault(key, set()).add(event["attempt"])
         elif kind == "generated":
             attempt, group = event["attempt"], event["group_id"]
             for sibling in event["fresh_siblings"]:

@@ -12,6 +12,10 @@ Selection (``plan_restore``) never writes or deletes anything:
 - ``restore_mode: trainer_checkpoint``: the trainer checkpoint bundle only; newer periodic
   snapshots are ignored. With bootstrap state but no trainer checkpoint it refuses, because a
   bootstrap snapshot has no model or optimizer state to resume.
+
+Applying a plan (``restore_controller``) re-installs the chosen rollout state and, in
+``latest`` mode with the commit log on, replays the log records written after it
+(``tandemrl.checkpoint.commit_replay``); ``resume`` then opens this attempt's log segment.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tandemrl.checkpoint.commit_replay import apply_replay, replay_for
 from tandemrl.checkpoint.fingerprint import (
     compatibility_identity,
     diff_identities,
@@ -202,10 +207,13 @@ def plan_restore_dir(
     return plan
 
 
-async def restore_controller(controller: Any, plan: RestorePlan) -> dict[str, int]:
-    """Load weights/optimizer (policy, critic) and the rollout state chosen by ``plan``."""
+async def restore_controller(controller: Any, plan: RestorePlan) -> dict[str, Any]:
+    """Load weights/optimizer (policy, critic) and the rollout state chosen by ``plan``, then
+    replay the commit log on top of it (``latest`` mode, log on). The summary's
+    ``commit_log_tip`` is the LSN of the last record the restored state contains (None: the
+    state is not on the log)."""
     if plan.fresh:
-        return {}
+        return {"commit_log_tip": None}
     if plan.trainer_dir is not None:
         # step_N exists already: the final checkpoint of a run resumed after its last step must
         # not rewrite it (that would drop the snapshots anchored on it).
@@ -220,16 +228,41 @@ async def restore_controller(controller: Any, plan: RestorePlan) -> dict[str, in
         raise CheckpointCorrupt(
             f"{plan.rollout_dir}: rollout state is for step {state.controller['step']} but its anchor is step {plan.step}"
         )
-    summary = await apply_rollout_state(controller, state, plan.rollout_dir)
+    summary: dict[str, Any] = dict(await apply_rollout_state(controller, state, plan.rollout_dir))
+    summary["commit_log_tip"] = None
+    commit_log = getattr(controller, "commit_log", None)
+    if commit_log is not None and state.commit_log_next_lsn is not None:
+        from_lsn = state.commit_log_next_lsn
+        if plan.restore_mode == "trainer_checkpoint":
+            replay, tip = replay_for(plan.checkpoint_dir, None)
+            tip = from_lsn - 1  # the bundle alone: later records are another branch now
+        else:
+            replay, tip = replay_for(plan.checkpoint_dir, from_lsn)
+        summary["commit_log_tip"] = tip
+        summary["commit_log"] = await apply_replay(
+            controller, replay, source=str(commit_log.directory)
+        )
     if plan.step > 0:
         # Generation workers started from the initial model: give them the restored weights.
         await controller.weight_sync.sync(controller.trainer_version)
     return summary
 
 
-async def resume(controller: Any, plan: RestorePlan) -> dict[str, int]:
-    """Restore ``plan`` into ``controller`` and open this attempt in the run journal."""
+async def resume(controller: Any, plan: RestorePlan) -> dict[str, Any]:
+    """Restore ``plan`` into ``controller``, open this attempt in the commit log and the run
+    journal. A fresh start with the log on writes a bootstrap snapshot at once, so that from
+    the first commit on every moment has a bundle to replay the log from."""
     summary = await restore_controller(controller, plan)
+    commit_log = getattr(controller, "commit_log", None)
+    if commit_log is not None:
+        commit_log.open(parent=summary["commit_log_tip"], step=plan.step)
+        checkpointer = controller.checkpointer
+        if (
+            plan.fresh
+            and checkpointer is not None
+            and checkpointer.cfg.rollout_checkpointing.snapshot_attempt_interval_s is not None
+        ):
+            await checkpointer.attempt_snapshot(controller)
     if controller.journal is not None:
         restored_committed = [slot.group_id for slot in controller.buffer.ready_groups()]
         restored_staged = [
@@ -243,5 +276,6 @@ async def resume(controller: Any, plan: RestorePlan) -> dict[str, int]:
             source=None if plan.fresh else str(plan.rollout_dir),
             restored_committed=restored_committed,
             restored_staged=restored_staged,
+            replayed=summary.get("commit_log"),
         )
     return summary

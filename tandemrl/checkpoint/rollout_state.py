@@ -47,6 +47,9 @@ class RolloutState:
     replacement_reserve: list[dict[str, Any]] = field(default_factory=list)
     # Shadow mode only: prompts of the committed, unconsumed groups (to regenerate them).
     shadow_prompts: list[dict[str, Any]] = field(default_factory=list)
+    # The commit log's next LSN at the capture: the state holds exactly the records below it
+    # (None: written without the log, nothing to replay).
+    commit_log_next_lsn: int | None = None
 
     def committed_sample_ids(self) -> list[str]:
         if self.replay_index is None:
@@ -75,7 +78,15 @@ def capture_rollout_state(controller: Any, *, authoritative: bool) -> RolloutSta
         shadow_prompts=[]
         if authoritative
         else [dataclasses.asdict(item) for item in controller.committed_prompts()],
+        commit_log_next_lsn=_commit_log_position(controller) if authoritative else None,
     )
+
+
+def _commit_log_position(controller: Any) -> int | None:
+    commit_log = getattr(controller, "commit_log", None)
+    if commit_log is None or not commit_log.opened:
+        return None
+    return commit_log.next_lsn
 
 
 def _save(path: Path, payload: Any) -> None:
@@ -115,6 +126,7 @@ async def write_rollout_state(
         "sampler": state.sampler,
         "budgets": state.budgets,
         "shadow": state.replay_index is None,
+        "commit_log": {"next_lsn": state.commit_log_next_lsn},
     }
     (directory / TRAIN_STATE).write_text(json.dumps(train_state, indent=2, sort_keys=True))
     return digests
@@ -136,6 +148,11 @@ def read_rollout_state(directory: Path) -> RolloutState:
     replay_index = None
     if not train_state.get("shadow", False):
         replay_index = _load(directory / REPLAY_INDEX)
+    try:
+        next_lsn = (train_state.get("commit_log") or {}).get("next_lsn")
+        next_lsn = None if next_lsn is None else int(next_lsn)
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise CheckpointCorrupt(f"{path}: bad commit_log.next_lsn ({exc})") from exc
     reserve_path = directory / REPLACEMENT_RESERVE
     recovery = _load(directory / ROLLOUT_RECOVERY)
     if not isinstance(recovery, dict) or "ledger" not in recovery:
@@ -149,6 +166,7 @@ def read_rollout_state(directory: Path) -> RolloutState:
         ledger=recovery["ledger"],
         replacement_reserve=_load(reserve_path) if reserve_path.exists() else [],
         shadow_prompts=list(recovery.get("shadow_prompts", [])),
+        commit_log_next_lsn=next_lsn,
     )
 
 

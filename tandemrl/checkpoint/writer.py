@@ -11,22 +11,30 @@ state alone, anchored on the trainer checkpoint of the current step. An attempt 
 succeeds only when ``step_N`` is durable; before the first step, snapshots are anchored on the
 bootstrap manifest (initial model + config fingerprint). ``keep_latest_k`` snapshots are kept
 per anchor; bootstrap snapshots are removed once a trainer checkpoint is durable.
+
+Commit log (``rollout_checkpointing.commit_log``): a bundle records the log position of its
+capture and is published only once the log is durable up to it; after each write, log
+segments that no selectable bundle replays any more are removed, and every trainer checkpoint
+starts a new segment.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import shutil
 import time
 from pathlib import Path
 from typing import Any
 
+from tandemrl.checkpoint.commit_log import needed_from_lsn
 from tandemrl.checkpoint.fingerprint import compatibility_identity, fingerprint_digest
 from tandemrl.checkpoint.layout import (
     MANIFEST,
     POLICY_DIR,
     SNAPSHOTS_DIR,
+    TRAIN_STATE,
     VALUE_DIR,
     bootstrap_dir,
     list_snapshot_dirs,
@@ -36,7 +44,11 @@ from tandemrl.checkpoint.layout import (
     step_dir,
     write_manifest,
 )
-from tandemrl.checkpoint.rollout_state import capture_rollout_state, write_rollout_state
+from tandemrl.checkpoint.rollout_state import (
+    RolloutState,
+    capture_rollout_state,
+    write_rollout_state,
+)
 from tandemrl.config.models import MasterConfig
 from tandemrl.dataplane.atomic import (
     atomic_directory,
@@ -97,6 +109,9 @@ class CheckpointWriter:
             self._drop_bootstrap_snapshots()
             # Folders of writes a crash interrupted (never selected); ours is published by now.
             remove_stale_temporaries(self.checkpoint_dir)
+            if getattr(controller, "commit_log", None) is not None:
+                controller.commit_log.rotate()
+                self._trim_commit_log(controller)
         log.info("trainer checkpoint %s written in %.2f s", target, time.perf_counter() - started)
         return target
 
@@ -107,6 +122,33 @@ class CheckpointWriter:
         async with controller.barrier.capture():
             state = capture_rollout_state(controller, authoritative=authoritative)
             await write_rollout_state(directory, state, controller.data_plane)
+        await self._log_durable_through(controller, state)
+
+    @staticmethod
+    async def _log_durable_through(controller: Any, state: RolloutState) -> None:
+        """A bundle is published only once every log record its state contains is durable,
+        so the log has no gap before any selectable bundle."""
+        if state.commit_log_next_lsn is not None:
+            await controller.commit_log.wait_durable(state.commit_log_next_lsn)
+
+    def _trim_commit_log(self, controller: Any) -> None:
+        """Remove log segments older than what every selectable bundle replays from."""
+        anchors = [path for _, path in list_step_dirs(self.checkpoint_dir)]
+        anchors.append(bootstrap_dir(self.checkpoint_dir))
+        bundles = [path for path in anchors if (path / MANIFEST).is_file()]
+        bundles += [path for anchor in anchors for _, path in list_snapshot_dirs(anchor)]
+        positions = []
+        for bundle in bundles:
+            try:
+                train_state = json.loads((bundle / TRAIN_STATE).read_text())
+            except (OSError, ValueError):
+                continue  # the bootstrap anchor itself, or a damaged bundle: never replayed
+            positions.append((train_state.get("commit_log") or {}).get("next_lsn"))
+        keep_from = needed_from_lsn(positions)
+        if keep_from is not None:
+            removed = controller.commit_log.trim(keep_from)
+            if removed:
+                log.info("commit log: removed %d segment(s) below LSN %d", len(removed), keep_from)
 
     def _manifest_payload(self, kind: str, controller: Any) -> dict[str, Any]:
         return {
@@ -173,6 +215,7 @@ class CheckpointWriter:
                     authoritative = self.authoritative and self.cfg.checkpointing.save_data_plane
                     state = capture_rollout_state(controller, authoritative=authoritative)
                     await write_rollout_state(tmp, state, controller.data_plane)
+                await self._log_durable_through(controller, state)
                 write_manifest(
                     tmp, {**self._manifest_payload("snapshot", controller), "sequence": sequence}
                 )
@@ -182,6 +225,8 @@ class CheckpointWriter:
                 : -self.cfg.rollout_checkpointing.keep_latest_k
             ]:
                 shutil.rmtree(old, ignore_errors=True)
+            if getattr(controller, "commit_log", None) is not None:
+                self._trim_commit_log(controller)
             return target
 
     async def snapshot_loop(self, controller: Any) -> None:

@@ -309,6 +309,10 @@ class RolloutCheckpointingConfig(Strict):
     keep_latest_k: int = 2
     restore_mode: str = "latest"
     extra_fingerprint_excluded_paths: list[str] = []
+    # Write-ahead commit log: every finished group is fsynced before it becomes trainable and
+    # a restart replays the log on top of the bundle it restores (docs/checkpointing.md).
+    # Takes effect with checkpointing.enabled and an authoritative replay index.
+    commit_log: bool = True
 
 
 class TokenCaptureConfig(Strict):

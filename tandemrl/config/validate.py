@@ -450,6 +450,19 @@ class _Checker:
                     f"rollout_checkpointing.extra_fingerprint_excluded_paths[{index}]: {path!r} "
                     f"{problem}"
                 )
+        if "commit_log" in rc.model_fields_set and rc.commit_log:
+            if not cfg.checkpointing.enabled:
+                self.error(
+                    "rollout_checkpointing.commit_log: true needs checkpointing.enabled: true (the "
+                    "log is replayed on top of a checkpoint); set checkpointing.enabled or drop "
+                    "the key"
+                )
+            elif not cfg.checkpointing.save_data_plane:
+                self.error(
+                    "rollout_checkpointing.commit_log: true needs checkpointing.save_data_plane: "
+                    "true (committed groups are restored, not regenerated, only with an "
+                    "authoritative replay index)"
+                )
         if rc.snapshot_attempt_interval_s is None:
             return
         need = "periodic rollout snapshots (rollout_checkpointing.snapshot_attempt_interval_s)"

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from tandemrl.buffer import ReplayBuffer
+from tandemrl.checkpoint.commit_log import CommitLog
+from tandemrl.checkpoint.commit_replay import commit_log_dir
 from tandemrl.checkpoint.journal import RunJournal
 from tandemrl.checkpoint.layout import JOURNAL
 from tandemrl.checkpoint.writer import CheckpointWriter
@@ -138,7 +140,7 @@ def build_controller(
         overlong_filtering=algo.overlong_filtering,
         seed=algo.seed,
     )
-    checkpointer = journal = None
+    checkpointer = journal = commit_log = None
     if cfg.checkpointing.enabled:
         checkpointer = CheckpointWriter(
             cfg,
@@ -146,6 +148,13 @@ def build_controller(
             authoritative=bool(getattr(sampler, "supports_buffer_checkpoint", False)),
         )
         journal = RunJournal(Path(cfg.checkpointing.checkpoint_dir) / JOURNAL)
+        # Only over an authoritative replay index: shadow mode regenerates committed groups.
+        if (
+            cfg.rollout_checkpointing.commit_log
+            and checkpointer.authoritative
+            and cfg.checkpointing.save_data_plane
+        ):
+            commit_log = CommitLog(commit_log_dir(Path(cfg.checkpointing.checkpoint_dir)))
     return SingleController(
         settings=controller_settings(cfg),
         buffer=buffer,
@@ -169,6 +178,7 @@ def build_controller(
         checkpointer=checkpointer,
         journal=journal,
         watchdog_cfg=cfg.async_rl.stall_watchdog,
+        commit_log=commit_log,
     )
 
 

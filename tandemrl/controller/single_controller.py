@@ -29,6 +29,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandemrl.checkpoint.commit_log import CommitLog
+from tandemrl.checkpoint.commit_replay import CommitRecorder
 from tandemrl.checkpoint.journal import RunJournal
 from tandemrl.checkpoint.writer import CheckpointWriter
 from tandemrl.config.models import StallWatchdogConfig
@@ -113,6 +115,7 @@ class SingleController:
         checkpointer: CheckpointWriter | None = None,
         journal: RunJournal | None = None,
         watchdog_cfg: StallWatchdogConfig | None = None,
+        commit_log: CommitLog | None = None,
     ) -> None:
         self.settings = settings
         self.buffer = buffer
@@ -134,6 +137,12 @@ class SingleController:
         self.journal = journal
         if journal is not None:
             self.rollout_manager.on_commit = self._journal_commit
+        # Write-ahead record of ownership changes between snapshots (None: off, no hook runs).
+        self.commit_log = commit_log
+        self.commit_recorder = None if commit_log is None else CommitRecorder(commit_log, self)
+        self.rollout_manager.commit_recorder = self.commit_recorder
+        if journal is not None or commit_log is not None:
+            self.rollout_manager.on_staged = self._on_staged
         self._last_checkpoint_step: int | None = None
         # Spare prompts for on_dropped_prompt=replace (saved in checkpoints).
         self._replacement_reserve: list[PromptItem] = []
@@ -169,6 +178,8 @@ class SingleController:
         """Run both pumps until max_num_steps or the data runs out; return per-step metrics."""
         self._acc = StepAccumulator()
         self._group_crash = asyncio.get_running_loop().create_future()
+        if self.commit_log is not None and not self.commit_log.opened:
+            self.commit_log.open(parent=None)  # not resumed through checkpoint.restore.resume
         rollout = asyncio.create_task(self._rollout_pump(), name="rollout_pump")
         train = asyncio.create_task(self._train_pump(), name="train_pump")
         background = [rollout]
@@ -204,6 +215,8 @@ class SingleController:
             if not task.done():
                 task.cancel()
         await asyncio.gather(*tasks, *inflight, return_exceptions=True)
+        if self.commit_log is not None:
+            self.commit_log.close()
 
     # ------------------------------------------------------------------ rollout pump
 
@@ -233,6 +246,8 @@ class SingleController:
             group = self.rollout_manager.reserve(
                 item, start_weight=self.trainer_version, target_step=target_step
             )
+            if self.commit_recorder is not None:
+                self.commit_recorder.admitted(group)
             # Generation starts once the engines hold the weights of the group's start version.
             await self._wait_for_permission()
             self._acc.rollout_blocked_s += time.monotonic() - blocked_from
@@ -249,11 +264,15 @@ class SingleController:
     def _fill_replacement_reserve(self) -> None:
         if self.settings.on_dropped_prompt != "replace":
             return
+        drawn = 0
         while len(self._replacement_reserve) < self.settings.replacement_reserve_size:
             item = self.dataloader.next_item()
             if item is None:
-                return
+                break
             self._replacement_reserve.append(item)
+            drawn += 1
+        if drawn and self.commit_recorder is not None:
+            self.commit_recorder.reserve_filled()
 
     def _peek_prompt(self) -> PromptItem | None:
         item = self.dataloader.peek()
@@ -310,15 +329,24 @@ class SingleController:
             self.last_progress_at = time.monotonic()
         except RolloutDropped as dropped:
             self._acc.dropped_prompts += 1
-            self._after_drop(group, dropped.slot)
+            try:
+                self._after_drop(group, dropped.slot)
+            finally:
+                self._log_dropped(group)
         except GroupAborted:
             self._acc.aborted_groups += 1
+            self._log_dropped(group)
         except asyncio.CancelledError:
             if group.group_id in self._abort_requested and not self._stopping:
                 await self.rollout_manager.drop_aborted(group)
                 self._acc.aborted_groups += 1
+                self._log_dropped(group)
             else:
                 raise
+
+    def _log_dropped(self, group: UnfinishedGroup) -> None:
+        if self.commit_recorder is not None:
+            self.commit_recorder.dropped(group)
 
     def _after_drop(self, group: UnfinishedGroup, slot: Any) -> None:
         """A dropped group: replace it from the reserve, or let its step train short."""
@@ -353,12 +381,16 @@ class SingleController:
                 donor_step = donor.target_step
                 self.buffer.promote_ready_group(donor.group_id, hole)
                 self.sampler.on_group_promoted(from_step=donor_step, to_step=hole)
+                if self.commit_recorder is not None:
+                    self.commit_recorder.promoted(donor.group_id, hole)
                 hole = donor_step
         target_step = self.sampler.admit_replacement(hole)
         spare = self._replacement_reserve.pop(0)
         group = self.rollout_manager.reserve(
             spare, start_weight=self.trainer_version, target_step=target_step
         )
+        if self.commit_recorder is not None:
+            self.commit_recorder.admitted(group)
         self._launch(group)
         self._acc.replaced_prompts += 1
 
@@ -516,6 +548,24 @@ class SingleController:
     def _journal_commit(self, group: UnfinishedGroup, fresh_siblings: list[int]) -> None:
         assert self.journal is not None
         self.journal.record("generated", group_id=group.group_id, fresh_siblings=fresh_siblings)
+
+    def _on_staged(self, group: UnfinishedGroup, siblings: list[int]) -> None:
+        """Siblings finished: into the commit log (sibling recovery), then the run journal —
+        once the log record is written, when there is one (a restart keeps them from then)."""
+        journal = self.journal
+        record = None
+        if journal is not None:
+            group_id = group.group_id
+
+            def record() -> None:
+                journal.record("staged", group_id=group_id, siblings=siblings)
+
+        if self.commit_recorder is not None and self.commit_recorder.staged(
+            group, siblings, after_write=record
+        ):
+            return
+        if record is not None:
+            record()
 
     # ------------------------------------------------------------------ checkpoint support
 

@@ -52,6 +52,28 @@ def resolve_granularity(item: PromptItem, cfg: RolloutRecoveryConfig) -> Granula
     return cfg.default_granularity
 
 
+def staged_entry(sibling: StagedSibling) -> dict[str, Any]:
+    return {
+        "result": dataclasses.asdict(sibling.result),
+        "env_result": dataclasses.asdict(sibling.env_result),
+    }
+
+
+def group_entry(group: UnfinishedGroup, *, with_staged: bool) -> dict[str, Any]:
+    """A group as the saved ledger (and the commit log) stores it; plain JSON-able values."""
+    staged = {}
+    if with_staged:
+        staged = {str(index): staged_entry(sibling) for index, sibling in group.staged.items()}
+    return {
+        "item": dataclasses.asdict(group.item),
+        "group_id": group.group_id,
+        "target_step": group.target_step,
+        "start_weight": group.start_weight,
+        "granularity": group.granularity,
+        "staged": staged,
+    }
+
+
 class OwnershipLedger:
     def __init__(self, cfg: RolloutRecoveryConfig, *, token_capture: bool) -> None:
         self.cfg = cfg
@@ -98,27 +120,9 @@ class OwnershipLedger:
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-able state; staged siblings are kept only with token capture on."""
-        groups = []
-        for group in self._groups.values():
-            staged = {}
-            if self.token_capture:
-                staged = {
-                    str(index): {
-                        "result": dataclasses.asdict(sibling.result),
-                        "env_result": dataclasses.asdict(sibling.env_result),
-                    }
-                    for index, sibling in group.staged.items()
-                }
-            groups.append(
-                {
-                    "item": dataclasses.asdict(group.item),
-                    "group_id": group.group_id,
-                    "target_step": group.target_step,
-                    "start_weight": group.start_weight,
-                    "granularity": group.granularity,
-                    "staged": staged,
-                }
-            )
+        groups = [
+            group_entry(group, with_staged=self.token_capture) for group in self._groups.values()
+        ]
         return {"token_capture": self.token_capture, "groups": groups}
 
     @staticmethod

@@ -112,6 +112,10 @@ class RolloutManager:
         self.on_commit: Callable[[UnfinishedGroup, list[int]], None] | None = None
         # Request ids of each group's generation call in flight (to abort them on the engine).
         self.active_requests: dict[str, list[str]] = {}
+        # Called after each generation round with the siblings it finished (journal, log).
+        self.on_staged: Callable[[UnfinishedGroup, list[int]], None] | None = None
+        # tandemrl.checkpoint.commit_replay.CommitRecorder; None when the commit log is off.
+        self.commit_recorder = None
 
     # ------------------------------------------------------------------ dispatch
 
@@ -204,6 +208,7 @@ class RolloutManager:
             self.active_requests.pop(group.group_id, None)
             self.generated_siblings += len(results)
             failed_any = False
+            finished = []
             for sibling, result in zip(pending, results, strict=True):
                 if result.finish_reason == "aborted":
                     raise GroupAborted(group.group_id)
@@ -218,6 +223,9 @@ class RolloutManager:
                     failed_any = True
                     continue
                 group.staged[sibling] = StagedSibling(result=result, env_result=env_result)
+                finished.append(sibling)
+            if finished and self.on_staged is not None:
+                self.on_staged(group, finished)
             if failed_any and group.granularity == "prompt_group":
                 group.discard_staged()
 
@@ -327,9 +335,20 @@ class RolloutManager:
         async with self.barrier.mutation():
             # Rows first, then the slot flips ready: a ready slot always has its rows.
             await self.data_plane.put(rows)
+            if self.commit_recorder is not None:
+                # Durable before the slot turns ready: a trainable group survives any crash.
+                slot = self.buffer.slot(group.group_id)
+                await self.commit_recorder.committed(group, slot, end_weight)
             self.buffer.commit(group.group_id, metas, end_weight=end_weight)
             self.ledger.close(group.group_id)
             self.committed_items[group.group_id] = group.item
+
+    async def write_replayed_rows(self, group: UnfinishedGroup) -> list[RowMeta]:
+        """Commit-log replay: write a committed group's rows again (the rows
+        ``_push_and_commit`` wrote) from its logged siblings; the caller restores the slot."""
+        rows, metas = self._rows(group)
+        await self.data_plane.put(rows)
+        return metas
 
     async def drop_aborted(self, group: UnfinishedGroup) -> None:
         """Remove a group whose generation the controller aborted as stale."""

@@ -133,7 +133,10 @@ class ChaosReport:
                     "groups_duplicated",
                     "groups_regenerated",
                     "siblings_regenerated",
+                    "finished_groups_generated_again",
+                    "finished_siblings_generated_again",
                     "regenerated_after_restore",
+                    "log_replayed_committed",
                     "steps",
                     "step_numbering_continuous",
                 )
@@ -476,6 +479,8 @@ def audit(checkpoint_dir: Path, shape: RunShape) -> dict[str, Any]:
     fresh = Counter((group, sibling) for _, group, sibling in result.fresh_generations)
     regenerated_groups = {group for (group, _), count in fresh.items() if count > 1}
     steps = sorted(result.trained)
+    finished_again = result.finished_again()
+    replays = [event.get("replayed") or {} for event in result.restores]
     return {
         "attempts": result.attempts,
         "steps": len(steps),
@@ -486,9 +491,19 @@ def audit(checkpoint_dir: Path, shape: RunShape) -> dict[str, Any]:
         "groups_duplicated": sum(count - 1 for count in counts.values() if count > 1),
         "unexpected_groups": sorted(set(trained) - shape.prompt_ids()),
         "step_sizes": sorted({len(groups) for groups in result.trained.values()}),
-        # Work lost to a kill: committed after the last durable snapshot, generated again.
+        # Work lost to a kill: a group whose commit (journal ``generated``) shows a sibling
+        # generated fresh more than once. With the commit log on it must be 0.
         "groups_regenerated": len(regenerated_groups),
         "siblings_regenerated": sum(count - 1 for count in fresh.values()),
+        # From ``staged`` events: a sibling that finished (generated and scored) in more than
+        # one attempt, and the groups they belong to. Sibling recovery keeps every finished
+        # sibling whose log record reached the disk; one that finished within the last
+        # moment before the kill (record still queued) is generated again and counted here.
+        "finished_groups_generated_again": len({group for group, _ in finished_again}),
+        "finished_siblings_generated_again": len(finished_again),
+        "finished_again": [f"{group}/{sibling}" for group, sibling in finished_again],
+        "log_replayed_committed": sum(int(r.get("committed_groups", 0)) for r in replays),
+        "log_replayed_unfinished": sum(int(r.get("reopened_groups", 0)) for r in replays),
         "regenerated_after_restore": list(result.regenerated_after_restore),
         "resumed_steps": [int(event.get("resumed_step", 0)) for event in result.restores],
         "restored_committed": sum(len(e.get("restored_committed", [])) for e in result.restores),
