@@ -3,6 +3,9 @@
 The default backend (``data_plane.backend: local``). Rows are stored by reference (the tensors
 are not copied on put or get); the controller only ever reads a row after its group committed
 and only clears it after the step that consumed it closed, so nobody mutates a stored row.
+A group written with ``put_block`` stays one block: each of its sample ids maps to a
+``BlockRow`` view of it, handed out as is by ``get`` (collation then concatenates whole
+blocks), and the block is freed when the last of its rows is cleared.
 
 Snapshot layout (a directory published atomically by ``atomic.atomic_directory``)::
 
@@ -30,7 +33,7 @@ from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
 from tandemrl.dataplane.atomic import atomic_directory, is_temporary_name, write_file_synced
-from tandemrl.dataplane.base import DataPlane, DataPlaneError, Row
+from tandemrl.dataplane.base import BlockRow, DataPlane, DataPlaneError, Row, RowBlock, RowView
 
 SNAPSHOT_FORMAT = "tandemrl.local_data_plane"
 SNAPSHOT_VERSION = 1
@@ -44,7 +47,7 @@ def tensor_bytes(tensor: torch.Tensor) -> bytes:
     return flat.view(torch.uint8).numpy().tobytes()
 
 
-def row_digest(row: Row) -> str:
+def row_digest(row: RowView) -> str:
     """sha256 over each field's name, dtype, shape and bytes, fields in sorted order."""
     digest = hashlib.sha256()
     for field in sorted(row):
@@ -87,7 +90,7 @@ class LocalDataPlane(DataPlane):
     supports_native_save = True
 
     def __init__(self) -> None:
-        self._rows: dict[str, Row] = {}
+        self._rows: dict[str, Row | BlockRow] = {}
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -108,14 +111,32 @@ class LocalDataPlane(DataPlane):
         for sample_id, row in rows.items():
             self._rows[sample_id] = dict(row)
 
-    async def get(self, keys: Iterable[str]) -> dict[str, Row]:
+    async def put_block(self, block: RowBlock) -> None:
+        # The block validated its ids and fields when it was built: only duplicates remain.
+        stored = self._rows
+        duplicates = sorted(key for key in block.sample_ids if key in stored)
+        if duplicates:
+            raise DataPlaneError(
+                f"local data plane put: sample id(s) already stored: {', '.join(duplicates)} "
+                "(a sample id is written once; clear it before reusing it)"
+            )
+        for sample_id, view in zip(block.sample_ids, block.row_views(), strict=True):
+            stored[sample_id] = view
+
+    async def get(self, keys: Iterable[str]) -> dict[str, RowView]:
         keys = list(keys)
-        missing = [key for key in keys if key not in self._rows]
+        stored = self._rows
+        missing = [key for key in keys if key not in stored]
         if missing:
             raise DataPlaneError(
                 f"local data plane get: sample id(s) not stored: {', '.join(map(str, missing))}"
             )
-        return {key: dict(self._rows[key]) for key in keys}
+        # Block rows are immutable views and go out as they are; plain rows as copies.
+        return {
+            key: row if type(row) is BlockRow else dict(row)
+            for key in keys
+            for row in (stored[key],)
+        }
 
     async def clear(self, keys: Iterable[str]) -> None:
         for key in keys:
@@ -153,7 +174,7 @@ class LocalDataPlane(DataPlane):
         return digests
 
 
-def _write_snapshot(directory: Path, rows: dict[str, Row]) -> dict[str, str]:
+def _write_snapshot(directory: Path, rows: dict[str, RowView]) -> dict[str, str]:
     tensors: dict[str, torch.Tensor] = {}
     manifest_rows: dict[str, dict[str, Any]] = {}
     digests: dict[str, str] = {}

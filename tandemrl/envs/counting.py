@@ -12,6 +12,7 @@ tiny default model learns this in under a minute on one CPU thread (docs: FIELD-
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 from tandemrl.envs.base import Environment
@@ -47,8 +48,8 @@ def clean_completion(completion: str, eos_strings: Sequence[str] = DEFAULT_EOS_S
     cut = len(completion)
     for marker in eos_strings:
         position = completion.find(marker)
-        if position != -1:
-            cut = min(cut, position)
+        if position != -1 and position < cut:
+            cut = position
     return completion[:cut].strip()
 
 
@@ -57,8 +58,8 @@ def positional_match_reward(target: str, completion: str) -> float:
     longest = max(len(target), len(completion))
     if longest == 0:
         return 0.0
-    matches = sum(1 for expected, got in zip(target, completion, strict=False) if expected == got)
-    return matches / longest
+    # map over two strings stops at the shorter one: the positions both have.
+    return sum(map(operator.eq, target, completion)) / longest
 
 
 class CountingEnv(Environment):
@@ -95,14 +96,35 @@ class CountingEnv(Environment):
         return target
 
     def score(self, item: PromptItem, completion: str, *, truncated: bool) -> EnvResult:
+        return self._score_completions(item, [completion], [truncated])[0]
+
+    def score_group(
+        self, item: PromptItem, completions: Sequence[str], *, truncated: Sequence[bool]
+    ) -> list[EnvResult | Exception]:
+        if type(self).score is not CountingEnv.score:
+            # A subclass changed how one completion is scored: score each through it.
+            return super().score_group(item, completions, truncated=truncated)
+        # A prompt whose target is unusable raises here: every completion of it fails.
+        return list(self._score_completions(item, completions, truncated))
+
+    def _score_completions(
+        self, item: PromptItem, completions: Sequence[str], truncated: Sequence[bool]
+    ) -> list[EnvResult]:
+        # The target and the prompt's metadata are worked out once for the whole group.
         target = self.target_for(item)
-        cleaned = clean_completion(completion, self.eos_strings)
-        reward = positional_match_reward(target, cleaned)
-        metadata: dict[str, object] = {
-            "target": target,
-            "completion": cleaned,
-            "exact_match": cleaned == target,
-            "truncated": truncated,
-        }
-        metadata.update(self.item_metadata(item))
-        return EnvResult(reward=reward, metadata=metadata)
+        item_metadata = self.item_metadata(item)
+        eos_strings = self.eos_strings
+        results = []
+        for completion, was_truncated in zip(completions, truncated, strict=True):
+            cleaned = clean_completion(completion, eos_strings)
+            metadata: dict[str, object] = {
+                "target": target,
+                "completion": cleaned,
+                "exact_match": cleaned == target,
+                "truncated": was_truncated,
+            }
+            metadata.update(item_metadata)
+            results.append(
+                EnvResult(reward=positional_match_reward(target, cleaned), metadata=metadata)
+            )
+        return results

@@ -81,12 +81,23 @@ class FakeGenerationBackend(GenerationBackend):
         self.requests_served = 0
         self.weight_updates: list[int] = []
 
-    def _tokens_for(self, request: GenerationRequest) -> list[int]:
-        digest = hashlib.blake2b(
-            f"{self.seed}|{request.request_id}|{request.prompt_token_ids}".encode(), digest_size=16
-        ).digest()
+    def _tokens_for(self, request: GenerationRequest, prompt_text: str | None = None) -> list[int]:
+        """Deterministic tokens of ``request``; ``prompt_text`` is ``str(prompt_token_ids)``.
+
+        Token i is byte i of a blake2b digest of seed, request id and prompt, modulo the
+        vocabulary (a 16-byte digest up to 16 tokens, a 64-byte one, repeated, beyond).
+        """
+        if prompt_text is None:
+            prompt_text = str(request.prompt_token_ids)
         n = min(request.max_new_tokens, self.completion_tokens)
-        return [digest[i] % self.vocab_size for i in range(n)]
+        digest = hashlib.blake2b(
+            f"{self.seed}|{request.request_id}|{prompt_text}".encode(),
+            digest_size=16 if n <= 16 else 64,
+        ).digest()
+        if n > len(digest):
+            digest = digest * (n // len(digest) + 1)
+        vocab_size = self.vocab_size
+        return [byte % vocab_size for byte in digest[:n]]
 
     async def _wait_latency(self, seconds: float) -> None:
         # The request's clock advances only while awake, so a stand-down freezes it.
@@ -105,10 +116,14 @@ class FakeGenerationBackend(GenerationBackend):
     def _check_alive(self, request: GenerationRequest) -> None:
         if self.dead:
             raise GenerationError("fake generation worker is dead")
-        if any(request.request_id.startswith(p) for p in self.fail_request_ids):
+        if self.fail_request_ids and any(
+            request.request_id.startswith(p) for p in self.fail_request_ids
+        ):
             raise GenerationError(f"injected failure for {request.request_id}")
 
-    def _result(self, request: GenerationRequest, start_version: int) -> GenerationResult:
+    def _result(
+        self, request: GenerationRequest, start_version: int, prompt_text: str | None = None
+    ) -> GenerationResult:
         if request.request_id in self._aborted:
             return GenerationResult(
                 request.request_id,
@@ -119,16 +134,17 @@ class FakeGenerationBackend(GenerationBackend):
                 [],
                 start_version,
             )
-        tokens = self._tokens_for(request)
+        tokens = self._tokens_for(request, prompt_text)
         self.requests_served += 1
+        count = len(tokens)
         return GenerationResult(
-            request_id=request.request_id,
-            prompt_token_ids=list(request.prompt_token_ids),
-            token_ids=tokens,
-            logprobs=[-1.0] * len(tokens),
-            finish_reason="length" if len(tokens) >= request.max_new_tokens else "stop",
-            token_weight_versions=[self._version] * len(tokens),
-            start_weight_version=start_version,
+            request.request_id,
+            list(request.prompt_token_ids),
+            tokens,
+            [-1.0] * count,
+            "length" if count >= request.max_new_tokens else "stop",
+            [self._version] * count,
+            start_version,
         )
 
     async def _one(self, request: GenerationRequest) -> GenerationResult:
@@ -147,11 +163,21 @@ class FakeGenerationBackend(GenerationBackend):
 
     async def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         if self._instant and self._awake.is_set():
-            # Zero latency: no per-request tasks, so benchmarks measure the controller.
+            # Zero latency: no per-request tasks, so benchmarks measure the controller. The
+            # siblings of a group share their prompt, so its text form is built once.
             for request in requests:
                 self._check_alive(request)
             await asyncio.sleep(0)
-            return [self._result(request, self._version) for request in requests]
+            version = self._version
+            results = []
+            last_prompt: list[int] | None = None
+            prompt_text = ""
+            for request in requests:
+                if request.prompt_token_ids is not last_prompt:
+                    last_prompt = request.prompt_token_ids
+                    prompt_text = str(last_prompt)
+                results.append(self._result(request, version, prompt_text))
+            return results
         call = self._one_limited if self._slots is not None else self._one
         return list(await asyncio.gather(*(call(r) for r in requests)))
 
@@ -189,9 +215,10 @@ def fake_codec(vocab_size: int = 16):
     """A text codec matching the fake engine: characters map to ids, ids decode to digits."""
     from tandemrl.rollout.manager import TextCodec
 
+    digits = "0123456789"
     return TextCodec(
         encode=lambda text: [ord(ch) % vocab_size for ch in text],
-        decode=lambda ids: "".join(str(i % 10) for i in ids),
+        decode=lambda ids: "".join([digits[i % 10] for i in ids]),
         eos_token_id=None,
         pad_token_id=0,
     )

@@ -5,14 +5,17 @@
 rollout:
 
 1. generate every unfinished sibling (one generation call for the group's pending siblings);
-2. score each completion with the environment; finished siblings are staged in the ledger
-   (token capture), so ``sibling`` recovery never regenerates them;
+2. score the completions with the environment (one ``score_group`` call per group, falling
+   back to ``score`` per sibling when it raises, so a failure is charged to its sibling);
+   finished siblings are staged in the ledger (token capture), so ``sibling`` recovery never
+   regenerates them;
 3. retry failures by class (infrastructure with capped backoff, data without), at the
    group's recovery granularity: ``sibling`` regenerates only the failed siblings,
    ``prompt_group`` regenerates all of them;
-4. once every sibling finished, write the group's rows to the data plane, then commit the
-   slot with the observed ``end_weight`` — both under the checkpoint barrier, so a snapshot
-   never sees rows without their index entry or the reverse.
+4. once every sibling finished, write the group's rows to the data plane as one ``RowBlock``
+   (``put_block``), then commit the slot with the observed ``end_weight`` — both under the
+   checkpoint barrier, so a snapshot never sees rows without their index entry or the
+   reverse.
 
 A group whose retries run out is dropped: its slot and any rows are removed, the ledger
 forgets it and the drop budgets are charged (``RolloutDropped`` is raised to the pump, which
@@ -30,9 +33,9 @@ from dataclasses import dataclass
 
 from tandemrl.config.models import RolloutFailureConfig
 from tandemrl.controller.barrier import CheckpointBarrier
-from tandemrl.dataplane.base import DataPlane
+from tandemrl.dataplane.base import DataPlane, RowBlock
 from tandemrl.envs.base import Environment
-from tandemrl.records import GenerationRequest, GenerationResult, PromptItem, RowMeta
+from tandemrl.records import EnvResult, GenerationRequest, GenerationResult, PromptItem, RowMeta
 from tandemrl.rollout.failures import (
     DataFailure,
     FailureBudgets,
@@ -44,7 +47,7 @@ from tandemrl.rollout.failures import (
 )
 from tandemrl.rollout.generation_pool import GenerationPool, NoGenerationWorkers
 from tandemrl.rollout.ledger import OwnershipLedger, StagedSibling, UnfinishedGroup
-from tandemrl.training.batch import make_group_rows
+from tandemrl.training.batch import make_group_block
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +72,19 @@ class SamplingParams:
 
 class GroupAborted(Exception):
     """The group's in-flight generation was aborted as stale (windowed sampler)."""
+
+
+def _as_data_failure(outcome: EnvResult | BaseException | None) -> EnvResult | DataFailure:
+    """A scoring outcome: the result, or the exception it raised as a ``DataFailure``."""
+    if isinstance(outcome, EnvResult):
+        return outcome
+    if isinstance(outcome, DataFailure):
+        return outcome
+    if isinstance(outcome, BaseException):
+        failure = DataFailure(f"{type(outcome).__name__}: {outcome}")
+        failure.__cause__ = outcome
+        return failure
+    return DataFailure(f"score_group returned {outcome!r}, not an EnvResult or an exception")
 
 
 class RolloutManager:
@@ -163,19 +179,26 @@ class RolloutManager:
 
     # ------------------------------------------------------------------ generation
 
-    def _request(
-        self, group: UnfinishedGroup, sibling: int, attempt: int, prompt_ids: list[int]
-    ) -> GenerationRequest:
-        return GenerationRequest(
-            request_id=f"{group.group_id}/{sibling}/a{attempt}",
-            prompt_token_ids=prompt_ids,
-            max_new_tokens=self.sampling.max_new_tokens,
-            temperature=self.sampling.temperature,
-            top_p=self.sampling.top_p,
-            stop_token_ids=self.sampling.stop_token_ids,
-            seed=zlib.crc32(f"{self.seed}|{group.group_id}|{sibling}|{attempt}".encode())
-            & 0x7FFFFFFF,
-        )
+    def _requests(
+        self, group: UnfinishedGroup, siblings: list[int], attempt: int, prompt_ids: list[int]
+    ) -> list[GenerationRequest]:
+        """One request per sibling; its seed is crc32("{seed}|{group_id}|{sibling}|{attempt}")."""
+        group_id = group.group_id
+        sampling = self.sampling
+        # crc32 continues from a running value, so the shared prefix is hashed once per call.
+        prefix_crc = zlib.crc32(f"{self.seed}|{group_id}|".encode())
+        return [
+            GenerationRequest(
+                request_id=f"{group_id}/{sibling}/a{attempt}",
+                prompt_token_ids=prompt_ids,
+                max_new_tokens=sampling.max_new_tokens,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                stop_token_ids=sampling.stop_token_ids,
+                seed=zlib.crc32(f"{sibling}|{attempt}".encode(), prefix_crc) & 0x7FFFFFFF,
+            )
+            for sibling in siblings
+        ]
 
     async def _generate_all_siblings(self, group: UnfinishedGroup) -> None:
         prompt_ids = self.codec.encode(group.item.prompt)
@@ -186,7 +209,7 @@ class RolloutManager:
         while len(group.staged) < self.group_size:
             pending = [i for i in range(self.group_size) if i not in group.staged]
             attempt += 1
-            requests = [self._request(group, i, attempt, prompt_ids) for i in pending]
+            requests = self._requests(group, pending, attempt, prompt_ids)
             self.active_requests[group.group_id] = [r.request_id for r in requests]
             try:
                 results = await self._generate_within_rollout_deadline(
@@ -207,22 +230,22 @@ class RolloutManager:
                 continue
             self.active_requests.pop(group.group_id, None)
             self.generated_siblings += len(results)
+            if any(result.finish_reason == "aborted" for result in results):
+                raise GroupAborted(group.group_id)
             failed_any = False
             finished = []
-            for sibling, result in zip(pending, results, strict=True):
-                if result.finish_reason == "aborted":
-                    raise GroupAborted(group.group_id)
-                try:
-                    env_result = self._score(group, result)
-                except DataFailure as exc:
+            for sibling, result, outcome in zip(
+                pending, results, self._score_all(group, results), strict=True
+            ):
+                if isinstance(outcome, DataFailure):
                     retries = data_retries.get(sibling, 0)
-                    record = self._record(group, sibling, retries + 1, FailureKind.DATA, exc)
+                    record = self._record(group, sibling, retries + 1, FailureKind.DATA, outcome)
                     if retries >= self.failure_cfg.max_data_retries:
-                        raise RolloutDropped(group.group_id, record) from exc
+                        raise RolloutDropped(group.group_id, record) from outcome
                     data_retries[sibling] = retries + 1
                     failed_any = True
                     continue
-                group.staged[sibling] = StagedSibling(result=result, env_result=env_result)
+                group.staged[sibling] = StagedSibling(result=result, env_result=outcome)
                 finished.append(sibling)
             if finished and self.on_staged is not None:
                 self.on_staged(group, finished)
@@ -254,19 +277,41 @@ class RolloutManager:
                 )
             remaining = timeout - awake_elapsed
 
-    def _score(self, group: UnfinishedGroup, result: GenerationResult):
-        completion = list(result.token_ids)
-        if (
-            self.codec.eos_token_id is not None
-            and completion
-            and completion[-1] == self.codec.eos_token_id
-        ):
+    def _completion_text(self, result: GenerationResult) -> str:
+        completion = result.token_ids
+        eos = self.codec.eos_token_id
+        if eos is not None and completion and completion[-1] == eos:
             completion = completion[:-1]
-        try:
-            text = self.codec.decode(completion)
-            return self.env.score(group.item, text, truncated=result.finish_reason == "length")
-        except Exception as exc:  # any exception from user reward code is a data failure
-            raise DataFailure(f"{type(exc).__name__}: {exc}") from exc
+        return self.codec.decode(completion)
+
+    def _score_all(
+        self, group: UnfinishedGroup, results: list[GenerationResult]
+    ) -> list[EnvResult | DataFailure]:
+        """Score a round's completions with one ``score_group`` call; failures per sibling."""
+        outcomes: list[EnvResult | BaseException | None] = []
+        texts: list[str] = []
+        truncated: list[bool] = []
+        for result in results:
+            try:
+                texts.append(self._completion_text(result))
+            except Exception as exc:  # a completion the codec cannot decode: its sibling fails
+                outcomes.append(exc)
+                continue
+            truncated.append(result.finish_reason == "length")
+            outcomes.append(None)
+        if texts:
+            try:
+                scored = self.env.score_group(group.item, texts, truncated=truncated)
+                if len(scored) != len(texts):
+                    raise ValueError(
+                        f"{type(self.env).__name__}.score_group returned {len(scored)} "
+                        f"entries for {len(texts)} completions"
+                    )
+            except Exception as exc:  # any exception from user reward code is a data failure
+                scored = [exc] * len(texts)
+            scored_iter = iter(scored)
+            outcomes = [next(scored_iter) if entry is None else entry for entry in outcomes]
+        return [_as_data_failure(outcome) for outcome in outcomes]
 
     def _record(
         self,
@@ -297,21 +342,27 @@ class RolloutManager:
 
     # ------------------------------------------------------------------ commit / drop
 
-    def _rows(self, group: UnfinishedGroup):
+    def _rows(self, group: UnfinishedGroup) -> tuple[RowBlock, list[RowMeta]]:
+        """The group's rows as one block, and their metadata for the replay buffer."""
+        group_id = group.group_id
         staged = [group.staged[sibling] for sibling in range(self.group_size)]
-        keeps = []
-        metas = []
+        filter_overlong = self.overlong_filtering
+        sample_ids, rewards, keeps, metas = [], [], [], []
         for sibling, entry in enumerate(staged):
             result, env_result = entry.result, entry.env_result
             truncated = result.finish_reason == "length"
-            keep = 1.0 if env_result.keep and not (self.overlong_filtering and truncated) else 0.0
+            keep = 1.0 if env_result.keep and not (filter_overlong and truncated) else 0.0
+            reward = float(env_result.reward)
+            sample_id = f"{group_id}/{sibling}"
+            sample_ids.append(sample_id)
+            rewards.append(reward)
             keeps.append(keep)
             metas.append(
                 RowMeta(
-                    sample_id=f"{group.group_id}/{sibling}",
-                    group_id=group.group_id,
+                    sample_id=sample_id,
+                    group_id=group_id,
                     sibling_index=sibling,
-                    reward=float(env_result.reward),
+                    reward=reward,
                     sample_mask=keep,
                     num_prompt_tokens=len(result.prompt_token_ids),
                     num_completion_tokens=len(result.token_ids),
@@ -320,21 +371,22 @@ class RolloutManager:
                     end_weight_version=result.end_weight_version,
                 )
             )
-        rows = make_group_rows(
+        block = make_group_block(
+            sample_ids,
             staged[0].result.prompt_token_ids,
             [entry.result.token_ids for entry in staged],
             [entry.result.logprobs for entry in staged],
-            [meta.reward for meta in metas],
+            rewards,
             keeps,
         )
-        return {meta.sample_id: row for meta, row in zip(metas, rows, strict=True)}, metas
+        return block, metas
 
     async def _push_and_commit(self, group: UnfinishedGroup) -> None:
-        rows, metas = self._rows(group)
+        block, metas = self._rows(group)
         end_weight = max(meta.end_weight_version for meta in metas)
         async with self.barrier.mutation():
             # Rows first, then the slot flips ready: a ready slot always has its rows.
-            await self.data_plane.put(rows)
+            await self.data_plane.put_block(block)
             if self.commit_recorder is not None:
                 # Durable before the slot turns ready: a trainable group survives any crash.
                 slot = self.buffer.slot(group.group_id)
@@ -346,8 +398,8 @@ class RolloutManager:
     async def write_replayed_rows(self, group: UnfinishedGroup) -> list[RowMeta]:
         """Commit-log replay: write a committed group's rows again (the rows
         ``_push_and_commit`` wrote) from its logged siblings; the caller restores the slot."""
-        rows, metas = self._rows(group)
-        await self.data_plane.put(rows)
+        block, metas = self._rows(group)
+        await self.data_plane.put_block(block)
         return metas
 
     async def drop_aborted(self, group: UnfinishedGroup) -> None:

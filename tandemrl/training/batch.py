@@ -1,10 +1,14 @@
 """Training rows and train batches: build one row, collate rows into a batch, split a batch.
 
 A *row* is one generation of a prompt group as the rollout manager writes it into the data
-plane (see ``make_training_row``). ``collate_rows`` turns rows into the ``TrainBatch`` that
-``tandemrl.training.api`` documents: every per-token field right-padded to the longest row,
-per-sequence scalars stacked to ``[B]``, plus an ``attention_mask``. ``split_microbatches``
-cuts a batch along the sequence axis.
+plane (see ``make_training_row``). The rollout manager builds a whole group at once as a
+``RowBlock`` (``make_group_block``: every field stacked over the group, a handful of tensor
+constructions per group instead of five per row). ``collate_rows`` turns rows into the
+``TrainBatch`` that ``tandemrl.training.api`` documents: every per-token field right-padded to
+the longest row, per-sequence scalars stacked to ``[B]``, plus an ``attention_mask``. When the
+rows are whole blocks in order (what the local data plane hands out for committed groups), it
+concatenates the blocks instead of padding row by row; the batch is the same either way.
+``split_microbatches`` cuts a batch along the sequence axis.
 
 Row fields (one sequence of ``P`` prompt and ``C`` completion tokens, ``T = P + C``):
 
@@ -23,11 +27,15 @@ of length T are right-padded with 0.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Mapping, Sequence
+from functools import lru_cache
 
 import torch
+import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
+from tandemrl.dataplane.base import BlockRow, RowBlock
 from tandemrl.training.api import TrainBatch
 
 # Fields every row must hold.
@@ -86,51 +94,138 @@ def make_training_row(
     }
 
 
-def make_group_rows(
+@lru_cache(maxsize=512)
+def _group_token_mask(num_prompt: int, completion_lengths: tuple[int, ...]) -> torch.Tensor:
+    """[N, L] float32 token mask of a group; shared by every block of that shape (read-only)."""
+    width = num_prompt + max(completion_lengths)
+    mask = array("f")
+    for length in completion_lengths:
+        mask.extend([0.0] * num_prompt + [1.0] * length + [0.0] * (width - num_prompt - length))
+    return torch.frombuffer(mask, dtype=torch.float32).view(len(completion_lengths), width)
+
+
+def make_group_block(
+    sample_ids: Sequence[str],
     prompt_ids: Sequence[int],
     completions: Sequence[Sequence[int]],
     completion_logprobs: Sequence[Sequence[float]],
     rewards: Sequence[float],
     sample_masks: Sequence[float],
-) -> list[dict[str, torch.Tensor]]:
-    """The rows of one prompt group (same prompt), equal to ``make_training_row`` per sibling.
+) -> RowBlock:
+    """One prompt group's rows as a ``RowBlock``; row ``i`` equals ``make_training_row``'s.
 
-    When every completion has the same length — the common case, e.g. all hit
-    ``max_new_tokens`` — each field is built once for the whole group and split into per-row
-    views, a quarter of the tensor constructions of building the rows one by one.
+    Per-token fields are [N, P + longest completion] (right padded with 0), ``reward`` and
+    ``sample_mask`` are [N]. Each field is one tensor built from one flat buffer.
     """
-    lengths = {len(c) for c in completions}
-    if len(lengths) != 1 or any(
-        len(lp) != len(c) for lp, c in zip(completion_logprobs, completions, strict=True)
-    ):
-        return [
-            make_training_row(prompt_ids, c, lp, reward=r, sample_mask=m)
-            for c, lp, r, m in zip(
-                completions, completion_logprobs, rewards, sample_masks, strict=True
-            )
-        ]
+    count = len(sample_ids)
+    if not (len(completions) == len(completion_logprobs) == len(rewards) == len(sample_masks)):
+        raise BatchError(
+            f"group of {count} sample ids has {len(completions)} completions, "
+            f"{len(completion_logprobs)} logprob lists, {len(rewards)} rewards and "
+            f"{len(sample_masks)} sample masks; all must match"
+        )
+    if len(completions) != count:
+        raise BatchError(f"{count} sample ids for {len(completions)} completions")
     prompt = list(prompt_ids)
     if not prompt:
         raise BatchError("a training row needs at least one prompt token")
-    num_prompt, num_completion = len(prompt), lengths.pop()
-    input_ids = torch.tensor([prompt + list(c) for c in completions], dtype=torch.long).unbind(0)
-    padding = [0.0] * num_prompt
-    logprobs = torch.tensor(
-        [padding + list(lp) for lp in completion_logprobs], dtype=torch.float32
-    ).unbind(0)
-    token_mask = torch.tensor(padding + [1.0] * num_completion, dtype=torch.float32)
-    reward = torch.tensor(list(rewards), dtype=torch.float32).unbind(0)
-    sample_mask = torch.tensor(list(sample_masks), dtype=torch.float32).unbind(0)
-    return [
-        {
-            "input_ids": input_ids[i],
-            "token_mask": token_mask,  # identical for every sibling; rows never mutate it
-            "generation_logprobs": logprobs[i],
-            "reward": reward[i],
-            "sample_mask": sample_mask[i],
-        }
-        for i in range(len(completions))
-    ]
+    num_prompt = len(prompt)
+    completion_lengths = tuple(len(completion) for completion in completions)
+    longest = max(completion_lengths)
+    token_ids: list[int] = []
+    logprobs: list[float] = []
+    prompt_zeros = [0.0] * num_prompt
+    for completion, completion_lp, length in zip(
+        completions, completion_logprobs, completion_lengths, strict=True
+    ):
+        if len(completion_lp) != length:
+            raise BatchError(
+                f"completion has {length} tokens but {len(completion_lp)} logprobs; "
+                "the generator must report one logprob per generated token"
+            )
+        token_ids += prompt
+        token_ids += completion
+        logprobs += prompt_zeros
+        logprobs += completion_lp
+        if length < longest:
+            token_ids += [0] * (longest - length)
+            logprobs += [0.0] * (longest - length)
+    width = num_prompt + longest
+    fields = {
+        "input_ids": torch.frombuffer(array("q", token_ids), dtype=torch.long).view(count, width),
+        "token_mask": _group_token_mask(num_prompt, completion_lengths),
+        "generation_logprobs": torch.frombuffer(array("f", logprobs), dtype=torch.float32).view(
+            count, width
+        ),
+        "reward": torch.frombuffer(array("f", rewards), dtype=torch.float32),
+        "sample_mask": torch.frombuffer(array("f", sample_masks), dtype=torch.float32),
+    }
+    return RowBlock(sample_ids, fields, [num_prompt + length for length in completion_lengths])
+
+
+def _whole_blocks(rows: Sequence[Mapping[str, torch.Tensor]]) -> list[RowBlock] | None:
+    """The blocks ``rows`` consist of, when they are whole blocks in block order; else None."""
+    blocks: list[RowBlock] = []
+    position, total = 0, len(rows)
+    while position < total:
+        first = rows[position]
+        if type(first) is not BlockRow or first.index != 0:
+            return None
+        block = first.block
+        size = len(block.sample_ids)
+        if position + size > total:
+            return None
+        for index in range(1, size):
+            row = rows[position + index]
+            if type(row) is not BlockRow or row.block is not block or row.index != index:
+                return None
+        blocks.append(block)
+        position += size
+    return blocks
+
+
+def _collate_blocks(blocks: list[RowBlock], pad_token_id: int) -> TrainBatch:
+    """``collate_rows`` for rows that are whole blocks: concatenate instead of padding rows."""
+    keys = set(blocks[0].fields)
+    missing = [key for key in REQUIRED_ROW_KEYS if key not in keys]
+    if missing:
+        raise BatchError(f"row 0 lacks required field(s) {missing}")
+    for block in blocks[1:]:
+        if set(block.fields) != keys:
+            raise BatchError(
+                f"rows disagree on their fields: row 0 has {sorted(keys)}, "
+                f"row {block.sample_ids[0]!r} has {sorted(block.fields)}"
+            )
+    lengths = [length for block in blocks for length in block.lengths]
+    max_len = max(block.width for block in blocks)
+
+    def joined(key: str) -> torch.Tensor:
+        parts = [block.fields[key] for block in blocks]
+        if parts[0].dim() == 2:
+            parts = [
+                part if part.shape[1] == max_len else F.pad(part, (0, max_len - part.shape[1]))
+                for part in parts
+            ]
+        return torch.cat(parts)  # a fresh tensor even for one block: batches never alias rows
+
+    batch: TrainBatch = {}
+    token_mask = joined("token_mask")
+    for key in sorted(keys):
+        value = token_mask if key == "token_mask" else joined(key)
+        if value.dim() == 1:
+            if key in BROADCASTABLE_KEYS:
+                value = value.to(torch.float32)[:, None] * token_mask.to(torch.float32)
+        elif key in SEQUENCE_KEYS:
+            raise BatchError(f"field {key!r} must hold one value per row")
+        if key == "input_ids":
+            batch[key] = value if value.dtype == torch.long else value.long()
+        else:
+            batch[key] = value if value.dtype == torch.float32 else value.to(torch.float32)
+    attention_mask = (torch.arange(max_len)[None, :] < torch.tensor(lengths)[:, None]).long()
+    if pad_token_id != 0 and min(lengths) < max_len:
+        batch["input_ids"] = batch["input_ids"].masked_fill(attention_mask == 0, pad_token_id)
+    batch["attention_mask"] = attention_mask
+    return batch
 
 
 def _check_row(index: int, row: Mapping[str, torch.Tensor]) -> int:
@@ -145,7 +240,7 @@ def _check_row(index: int, row: Mapping[str, torch.Tensor]) -> int:
     return input_ids.numel()
 
 
-def collate_rows(rows: list[dict[str, torch.Tensor]], pad_token_id: int) -> TrainBatch:
+def collate_rows(rows: Sequence[Mapping[str, torch.Tensor]], pad_token_id: int) -> TrainBatch:
     """Right-pad rows to the longest and stack them into a ``TrainBatch``.
 
     Produces ``attention_mask`` [B, L] int64 (1 on real tokens). ``input_ids`` is padded with
@@ -154,6 +249,9 @@ def collate_rows(rows: list[dict[str, torch.Tensor]], pad_token_id: int) -> Trai
     """
     if not rows:
         raise BatchError("collate_rows needs at least one row")
+    blocks = _whole_blocks(rows)
+    if blocks is not None:
+        return _collate_blocks(blocks, pad_token_id)
     lengths = [_check_row(i, row) for i, row in enumerate(rows)]
     max_len = max(lengths)
     keys = set(rows[0])

@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tandemrl.dataplane.base import DataPlaneError, RowBlock
 from tandemrl.training.batch import (
     BatchError,
     collate_rows,
     count_loss_tokens,
+    make_group_block,
     make_training_row,
     split_microbatches,
     trim_padding,
@@ -81,19 +83,89 @@ def test_split_microbatches_and_trim() -> None:
         split_microbatches(batch, 0)
 
 
-def test_group_rows_equal_rows_built_one_by_one():
-    from tandemrl.training.batch import make_group_rows
+def _group(completions: list[list[int]], seed: int = 0):
+    logprobs = [[-0.5 * (seed + i + j) for j in range(len(c))] for i, c in enumerate(completions)]
+    rewards = [float((seed + i) % 3) / 2 for i in range(len(completions))]
+    masks = [float((seed + i) % 2) for i in range(len(completions))]
+    return logprobs, rewards, masks
 
+
+@pytest.mark.parametrize(
+    "completions", [[[1, 2], [3, 4], [5, 1]], [[1], [3, 4, 2], [5, 1]]], ids=["equal", "ragged"]
+)
+def test_group_block_rows_equal_rows_built_one_by_one(completions) -> None:
     prompt = [5, 6, 7]
-    for completions in ([[1, 2], [3, 4], [5, 1]], [[1], [3, 4, 2], [5, 1]]):  # equal and ragged
-        logprobs = [[-0.5 * (i + j) for j in range(len(c))] for i, c in enumerate(completions)]
-        rewards, masks = [0.0, 1.0, 0.5], [1.0, 0.0, 1.0]
-        grouped = make_group_rows(prompt, completions, logprobs, rewards, masks)
-        one_by_one = [
-            make_training_row(prompt, c, lp, reward=r, sample_mask=m)
-            for c, lp, r, m in zip(completions, logprobs, rewards, masks, strict=True)
-        ]
-        for got, want in zip(grouped, one_by_one, strict=True):
-            assert got.keys() == want.keys()
+    logprobs, rewards, masks = _group(completions)
+    ids = [f"g/{i}" for i in range(len(completions))]
+    block = make_group_block(ids, prompt, completions, logprobs, rewards, masks)
+    one_by_one = [
+        make_training_row(prompt, c, lp, reward=r, sample_mask=m)
+        for c, lp, r, m in zip(completions, logprobs, rewards, masks, strict=True)
+    ]
+    assert block.sample_ids == tuple(ids)
+    for rows in (list(block.rows().values()), block.row_views()):
+        for got, want in zip(rows, one_by_one, strict=True):
+            assert sorted(got) == sorted(want)
             for key in want:
-                torch.testing.assert_close(got[key], want[key])
+                assert got[key].dtype == want[key].dtype
+                assert torch.equal(got[key], want[key]), key
+
+
+def test_group_block_rejects_bad_groups() -> None:
+    with pytest.raises(BatchError, match="one logprob per generated token"):
+        make_group_block(["g/0"], [1], [[2, 3]], [[-0.1]], [0.0], [1.0])
+    with pytest.raises(BatchError, match="at least one prompt token"):
+        make_group_block(["g/0"], [], [[2]], [[-0.1]], [0.0], [1.0])
+    with pytest.raises(BatchError, match="must match"):
+        make_group_block(["g/0", "g/1"], [1], [[2], [3]], [[-0.1]], [0.0, 1.0], [1.0, 1.0])
+    with pytest.raises(DataPlaneError, match="distinct"):
+        make_group_block(["g/0", "g/0"], [1], [[2], [3]], [[-0.1], [-0.2]], [0.0, 1.0], [1, 1])
+
+
+def _blocks(pad_widths: bool):
+    """Three blocks: equal lengths, ragged, and (optionally) a wider one."""
+    groups = [[[1, 2], [3, 4]], [[1], [3, 4, 2]], [[4, 4, 4, 4], [2]] if pad_widths else [[4], [2]]]
+    blocks = []
+    for index, completions in enumerate(groups):
+        logprobs, rewards, masks = _group(completions, seed=index)
+        ids = [f"g{index}/{i}" for i in range(len(completions))]
+        blocks.append(
+            make_group_block(ids, [9, 8][: index % 2 + 1], completions, logprobs, rewards, masks)
+        )
+    return blocks
+
+
+@pytest.mark.parametrize("pad_token_id", [0, 7])
+@pytest.mark.parametrize("pad_widths", [False, True])
+def test_collating_whole_blocks_equals_collating_rows(pad_token_id: int, pad_widths: bool) -> None:
+    views = [view for block in _blocks(pad_widths) for view in block.row_views()]
+    plain = [dict(view) for view in views]  # same rows as plain dicts: the row-by-row path
+    fast = collate_rows(views, pad_token_id=pad_token_id)
+    slow = collate_rows(plain, pad_token_id=pad_token_id)
+    assert sorted(fast) == sorted(slow)
+    for key in slow:
+        assert fast[key].dtype == slow[key].dtype, key
+        assert torch.equal(fast[key], slow[key]), key
+    # The batch owns its tensors: writing to it leaves the stored blocks alone.
+    before = views[0]["input_ids"].clone()
+    fast["input_ids"].fill_(-1)
+    assert torch.equal(views[0]["input_ids"], before)
+
+
+def test_collating_part_of_a_block_or_out_of_order_falls_back_to_rows() -> None:
+    views = [view for block in _blocks(True) for view in block.row_views()]
+    for rows in (views[1:], views[::-1], views[:3]):
+        got = collate_rows(rows, pad_token_id=3)
+        want = collate_rows([dict(row) for row in rows], pad_token_id=3)
+        for key in want:
+            assert torch.equal(got[key], want[key]), key
+
+
+def test_collating_blocks_checks_fields() -> None:
+    first, second, _ = _blocks(False)
+    odd = RowBlock(second.sample_ids, {**second.fields, "extra": torch.zeros(2)}, second.lengths)
+    with pytest.raises(BatchError, match="disagree"):
+        collate_rows([*first.row_views(), *odd.row_views()], pad_token_id=0)
+    bare = RowBlock(first.sample_ids, {"input_ids": first.fields["input_ids"]}, first.lengths)
+    with pytest.raises(BatchError, match="lacks required"):
+        collate_rows(bare.row_views(), pad_token_id=0)

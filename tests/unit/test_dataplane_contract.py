@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tandemrl.config.models import DataPlaneConfig
-from tandemrl.dataplane.base import DataPlane, DataPlaneError, Row
+from tandemrl.dataplane.base import DataPlane, DataPlaneError, Row, RowBlock
 
 BACKENDS = ["local", pytest.param("simple", marks=pytest.mark.integration)]
 
@@ -148,6 +148,43 @@ def test_clear_is_idempotent_and_keys_follow(plane: DataPlane) -> None:
     # A cleared id can be written again.
     run(plane.put({"g0/s0": rows["g0/s1"]}))
     assert_rows_equal(run(plane.get(["g0/s0"])), {"g0/s0": rows["g0/s1"]})
+
+
+def sample_block() -> RowBlock:
+    """A group of three rows of different lengths, stacked (padding is 0)."""
+    return RowBlock(
+        ["b0/s0", "b0/s1", "b0/s2"],
+        {
+            "input_ids": torch.tensor([[5, 6, 1, 2], [5, 6, 3, 0], [5, 6, 4, 7]]),
+            "token_mask": torch.tensor([[0.0, 0, 1, 1], [0, 0, 1, 0], [0, 0, 1, 1]]),
+            "reward": torch.tensor([0.5, -1.0, 2.0]),
+        },
+        [4, 3, 4],
+    )
+
+
+def test_put_block_answers_per_sample_id(plane: DataPlane, tmp_path: Path) -> None:
+    block = sample_block()
+    run(plane.put_block(block))
+    expected = block.rows()
+    assert expected["b0/s1"]["input_ids"].tolist() == [5, 6, 3]
+    assert expected["b0/s1"]["reward"].shape == ()
+    assert sorted(run(plane.keys())) == sorted(expected)
+    assert_rows_equal(
+        run(plane.get(["b0/s2", "b0/s0"])), {k: expected[k] for k in ["b0/s2", "b0/s0"]}
+    )
+    with pytest.raises(DataPlaneError, match="b0/s1"):
+        run(plane.put({"b0/s1": sample_rows()["g0/s0"]}))
+    with pytest.raises(DataPlaneError, match="b0/s0"):
+        run(plane.put_block(block))
+    # Rows of a block clear one by one, and snapshots hold them like any other row.
+    run(plane.clear(["b0/s1"]))
+    run(plane.save(tmp_path / "snap"))
+    run(plane.clear(run(plane.keys())))
+    run(plane.load(tmp_path / "snap"))
+    assert_rows_equal(
+        run(plane.get(["b0/s0", "b0/s2"])), {k: expected[k] for k in ["b0/s0", "b0/s2"]}
+    )
 
 
 def test_save_load_round_trip(plane: DataPlane, tmp_path: Path) -> None:

@@ -12,7 +12,9 @@ import torch
 
 from tandemrl.config.models import DataPlaneConfig
 from tandemrl.dataplane import DataPlaneError, LocalDataPlane, atomic, create_data_plane
+from tandemrl.dataplane.base import RowBlock
 from tandemrl.dataplane.local import MANIFEST_NAME, ROWS_FILE_NAME, row_digest
+from tandemrl.training.batch import make_group_block
 
 
 def run(coro):
@@ -72,6 +74,36 @@ def test_put_rejects_non_tensor_fields() -> None:
     with pytest.raises(DataPlaneError, match="'reward' is float"):
         run(plane.put({"a": {"reward": 1.0}}))
     assert len(plane) == 0
+
+
+def test_block_rows_are_read_only_views_freed_with_their_last_row() -> None:
+    plane = LocalDataPlane()
+    block = make_group_block(
+        ["g/0", "g/1"], [1, 2], [[3], [4, 5]], [[-0.5], [-1.0, -2.0]], [1, 0], [1, 1]
+    )
+    run(plane.put_block(block))
+    got = run(plane.get(["g/1"]))["g/1"]
+    assert got["input_ids"].tolist() == [1, 2, 4, 5]
+    assert "reward" in got and len(got) == 5
+    with pytest.raises(TypeError):
+        got["reward"] = torch.tensor(3.0)  # type: ignore[index]
+    assert run(plane.get(["g/1"]))["g/1"]["reward"].item() == 0.0
+    run(plane.clear(["g/0", "g/1"]))
+    assert len(plane) == 0
+
+
+def test_row_block_refuses_bad_shapes_and_ids() -> None:
+    ids = torch.tensor([[1, 2], [3, 0]])
+    with pytest.raises(DataPlaneError, match="'reward' has shape"):
+        RowBlock(["a", "b"], {"input_ids": ids, "reward": torch.zeros(3)}, [2, 1])
+    with pytest.raises(DataPlaneError, match="has shape"):
+        RowBlock(["a", "b"], {"input_ids": ids}, [1, 1])  # width 1, tensor is 2 wide
+    with pytest.raises(DataPlaneError, match="distinct non-empty"):
+        RowBlock(["a", ""], {"input_ids": ids}, [2, 1])
+    with pytest.raises(DataPlaneError, match=r"named torch\.Tensor"):
+        RowBlock(["a", "b"], {"input_ids": [[1, 2], [3, 0]]}, [2, 1])  # type: ignore[dict-item]
+    with pytest.raises(DataPlaneError, match="length"):
+        RowBlock(["a", "b"], {"input_ids": ids}, [2])
 
 
 def test_save_load_round_trip(tmp_path: Path) -> None:

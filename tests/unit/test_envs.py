@@ -88,6 +88,40 @@ def test_counting_custom_eos_strings() -> None:
     assert clean_completion("45<eos>", ("#",)) == "45<eos>"
 
 
+def test_counting_score_group_equals_score_per_completion() -> None:
+    env = CountingEnv()
+    item = make_item("583=", "456", "count")
+    completions = ["456", "45", "4567", "", " 456<eos>9", "000"]
+    truncated = [True, False, True, False, False, True]
+    grouped = env.score_group(item, completions, truncated=truncated)
+    one_by_one = [
+        env.score(item, c, truncated=t) for c, t in zip(completions, truncated, strict=True)
+    ]
+    assert grouped == one_by_one
+
+
+def test_score_group_reports_each_completion_failure_in_place() -> None:
+    class Picky(Environment):
+        def score(self, item, completion, *, truncated):
+            if completion == "bad":
+                raise ValueError("no")
+            return EnvResult(reward=1.0)
+
+    outcomes = Picky().score_group(make_item("1="), ["ok", "bad", "ok"], truncated=[False] * 3)
+    assert outcomes[0] == outcomes[2] == EnvResult(reward=1.0)
+    assert isinstance(outcomes[1], ValueError)
+
+
+def test_counting_subclass_that_overrides_score_is_scored_through_it() -> None:
+    class Doubled(CountingEnv):
+        def score(self, item, completion, *, truncated):
+            base = super().score(item, completion, truncated=truncated)
+            return EnvResult(reward=2 * base.reward, metadata=base.metadata)
+
+    outcomes = Doubled().score_group(make_item("583=", "456"), ["456", "4"], truncated=[False] * 2)
+    assert [outcome.reward for outcome in outcomes] == [2.0, pytest.approx(2 / 3)]
+
+
 def test_task_source_attached_only_when_present() -> None:
     with_source = CountingEnv().score(make_item("583=", "456", "count"), "456", truncated=False)
     without = CountingEnv().score(make_item("583=", "456"), "456", truncated=False)

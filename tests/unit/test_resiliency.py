@@ -103,6 +103,31 @@ def test_data_failure_under_sibling_regenerates_only_the_failed_sibling():
     assert "reward function broke" in failures[0].cause
 
 
+class GroupScorerThatBreaksOnce(CountingEnv):
+    """Its own ``score_group`` raises on the first call for ``prompt_id``."""
+
+    def __init__(self, prompt_id: str) -> None:
+        super().__init__()
+        self.prompt_id = prompt_id
+        self.broke = False
+
+    def score_group(self, item, completions, *, truncated):
+        if item.prompt_id == self.prompt_id and not self.broke:
+            self.broke = True
+            raise RuntimeError("grader unavailable")
+        return super().score_group(item, completions, truncated=truncated)
+
+
+def test_a_raising_score_group_fails_every_sibling_of_that_round():
+    cfg = make_cfg("async_rl.rollout_failure.max_data_retries=1")
+    controller = run(cfg, env=GroupScorerThatBreaksOnce("e0-i3"))
+    assert len(trained_ids(controller)) == 16
+    assert controller.rollout_manager.generated_siblings == 16 * G + G
+    failures = controller.rollout_manager.budgets.failures
+    assert [(f.prompt_id, f.sibling_index) for f in failures] == [("e0-i3", 0), ("e0-i3", 1)]
+    assert all("RuntimeError: grader unavailable" in f.cause for f in failures)
+
+
 def test_data_failure_under_prompt_group_regenerates_the_whole_group():
     cfg = make_cfg(
         "async_rl.rollout_failure.max_data_retries=2",
