@@ -8,6 +8,10 @@ training take about the same time, with learning curves equal within noise.
 
     python benchmarks/async_vs_sync.py [--steps 200] [--generation-batch 32]
 
+Every mode runs with ``loss_fn.reuse_training_logprobs=true`` (the trainer's ``prev_logprobs``
+come from the training forward, one forward pass per step fewer) unless
+``--no-reuse-logprobs``.
+
 On the default job generation is the lighter side (a sync run's trainer waits ~35% of each
 step), so perfect overlap could only give ~1.5x. ``--generation-batch 32`` (the engine decodes
 at most 32 sequences at once; ``policy.generation.max_batch_size``) makes generation about as
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 from pathlib import Path
@@ -36,12 +41,20 @@ MODES = {
 
 
 def run_mode(
-    config: str, overrides: tuple[str, ...], steps: int, log_dir: Path, generation_batch: int
+    config: str,
+    overrides: tuple[str, ...],
+    steps: int,
+    log_dir: Path,
+    generation_batch: int,
+    reuse_logprobs: bool = True,
+    seed: int = 42,
 ) -> list[dict]:
     cfg = load_config(
         config,
         (
             *overrides,
+            f"loss_fn.reuse_training_logprobs={str(reuse_logprobs).lower()}",
+            f"grpo.seed={seed}",
             f"policy.generation.max_batch_size={generation_batch}",
             f"grpo.max_num_steps={steps}",
             f"logger.log_dir={log_dir}",
@@ -72,13 +85,31 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--generation-batch", type=int, default=32)
+    parser.add_argument(
+        "--no-reuse-logprobs",
+        dest="reuse_logprobs",
+        action="store_false",
+        help="compute prev_logprobs with a separate get_logprobs pass (the old trainer path)",
+    )
+    parser.add_argument("--seed", type=int, default=42, help="grpo.seed of every mode")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     args = parser.parse_args()
     results: dict[str, dict[str, float]] = {}
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
-        for mode, (config, overrides) in MODES.items():
+        for mode in args.modes:
+            config, overrides = MODES[mode]
             log_dir = Path(tmp) / mode
             results[mode] = summarize(
-                run_mode(config, overrides, args.steps, log_dir, args.generation_batch)
+                run_mode(
+                    config,
+                    overrides,
+                    args.steps,
+                    log_dir,
+                    args.generation_batch,
+                    args.reuse_logprobs,
+                    args.seed,
+                )
             )
     print(
         f"\n{'mode':10s} {'steps/s':>8s} {'tok/s':>8s} {'reward@end':>10s} {'train idle':>10s} {'roll idle':>9s}"
@@ -88,18 +119,24 @@ def main() -> None:
             f"{mode:10s} {r['steps_per_s']:8.2f} {r['tokens_per_s']:8.0f} {r['reward_last20']:10.3f} "
             f"{r['train_idle']:10.2f} {r['rollout_idle']:9.2f}"
         )
-    sync = results["sync"]["steps_per_s"]
-    result = {
+    result: dict[str, object] = {
         "steps": args.steps,
         "generation_batch": args.generation_batch,
-        "sync_train_idle": round(results["sync"]["train_idle"], 3),
-        "async_over_sync": round(results["async"]["steps_per_s"] / sync, 3),
-        "streaming_over_sync": round(results["streaming"]["steps_per_s"] / sync, 3),
-        "reward_sync": round(results["sync"]["reward_last20"], 3),
-        "reward_async": round(results["async"]["reward_last20"], 3),
-        "reward_streaming": round(results["streaming"]["reward_last20"], 3),
+        "reuse_training_logprobs": args.reuse_logprobs,
+        "seed": args.seed,
+        "load_avg_1m_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "goal_async_over_sync": GOAL,
     }
+    for mode, r in results.items():
+        result[f"reward_{mode}"] = round(r["reward_last20"], 3)
+        result[f"steps_per_s_{mode}"] = round(r["steps_per_s"], 3)
+        result[f"weight_sync_s_{mode}"] = round(r["weight_sync_s"], 4)
+    if "sync" in results:
+        sync = results["sync"]["steps_per_s"]
+        result["sync_train_idle"] = round(results["sync"]["train_idle"], 3)
+        for mode in ("async", "streaming"):
+            if mode in results:
+                result[f"{mode}_over_sync"] = round(results[mode]["steps_per_s"] / sync, 3)
     print("RESULT " + json.dumps(result))
 
 

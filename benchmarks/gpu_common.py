@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from tandemrl.controller.weight_sync_cuda import FlatWeightReceiver, WeightLayout, init_weight_group
+from tandemrl.controller.weight_sync_cuda import WeightReceiverHost
 from tandemrl.generation.torch_engine import TorchGenerationEngine
 from tandemrl.records import GenerationRequest, GenerationResult
 
@@ -113,7 +113,7 @@ class LongTail:
         return sum(self.length(f"m{i}") for i in range(samples)) / samples
 
 
-class EngineHost:
+class EngineHost(WeightReceiverHost):
     """The generation engine of one benchmark run (see the module docstring)."""
 
     def __init__(
@@ -137,7 +137,6 @@ class EngineHost:
             eos_token_ids=[EOS_TOKEN_ID],
         )
         self.lengths = lengths
-        self.receiver: FlatWeightReceiver | None = None
         self.step_busy_s = 0.0
         self.created_at = time.perf_counter()
         step = self.engine._step
@@ -188,32 +187,8 @@ class EngineHost:
     async def shutdown(self) -> None:
         await self.engine.shutdown()
 
-    # ------------------------------------------------------------------ weight sync, stats
-
-    async def attach_weight_buffer(self, handle: Any, layout: WeightLayout) -> None:
-        self.receiver = FlatWeightReceiver.from_ipc_handle(self, layout, handle)
-
-    async def load_weight_buffer(self, version: int) -> None:
-        assert self.receiver is not None, "attach_weight_buffer first"
-        await self.receiver.load(version)
-
-    async def join_weight_group(
-        self, *, rank: int, world_size: int, init_method: str, backend: str, layout: WeightLayout
-    ) -> None:
-        device = self.engine.device
-        await asyncio.to_thread(
-            init_weight_group,
-            rank=rank,
-            world_size=world_size,
-            init_method=init_method,
-            backend=backend,
-            device=device,
-        )
-        self.receiver = FlatWeightReceiver.with_own_buffer(self, layout, device)
-
-    async def receive_weight_broadcast(self, version: int) -> None:
-        assert self.receiver is not None, "join_weight_group first"
-        await self.receiver.receive_broadcast(version)
+    # ------------------------------------------------------------------ stats
+    # (the weight-sync methods come from WeightReceiverHost)
 
     async def stats(self) -> dict[str, float]:
         stats = dataclasses.asdict(self.engine.stats)

@@ -31,7 +31,6 @@ import asyncio
 import inspect
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -63,7 +62,7 @@ from tandemrl.controller.weight_sync_cuda import (
     DeviceWeightSync,
     FlatWeightSender,
     NcclWeightSync,
-    init_weight_group,
+    leave_process_group,
 )
 from tandemrl.envs.counting import CountingEnv
 from tandemrl.records import GenerationRequest
@@ -442,47 +441,15 @@ async def _sync_nccl(
     remote = RemoteObject(make_engine_host, _engine_kwargs(folder, "cuda:1", args, None))
     try:
         await remote.weight_version()
-        await join_group(sender, [remote], device)
         sync = NcclWeightSync(sender, [remote])
         started = time.perf_counter()
-        await sync.sync(0)
+        await sync.sync(0)  # forms the group (TCP store, NCCL communicator) first
         row["nccl_first_sync_s"] = time.perf_counter() - started
         row["nccl_s"] = statistics.median(await _time_syncs(sync, 5))
         await remote.shutdown()
     finally:
         remote.close()
-        torch.distributed.destroy_process_group()
-
-
-async def join_group(sender: FlatWeightSender, engines: list[Any], device: torch.device) -> None:
-    """The trainer (rank 0) and each engine's process (ranks 1..n) join one NCCL group
-    (gloo on CPU)."""
-    with socket.socket() as probe:  # a fresh port per group: the last one may linger
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    init = f"tcp://127.0.0.1:{port}"
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    world_size = 1 + len(engines)
-    await asyncio.gather(
-        asyncio.to_thread(
-            init_weight_group,
-            rank=0,
-            world_size=world_size,
-            init_method=init,
-            backend=backend,
-            device=device,
-        ),
-        *(
-            engine.join_weight_group(
-                rank=rank,
-                world_size=world_size,
-                init_method=init,
-                backend=backend,
-                layout=sender.layout,
-            )
-            for rank, engine in enumerate(engines, start=1)
-        ),
-    )
+        leave_process_group()
 
 
 # ---------------------------------------------------------------------- GRPO
@@ -591,7 +558,6 @@ def run_grpo(
 
     async def run() -> dict[str, Any]:
         if plan.transport == "nccl":
-            await join_group(sender, engines, trainer_device)
             weight_sync: Any = NcclWeightSync(sender, engines)
         elif plan.transport == "ipc":
             weight_sync = CudaIpcWeightSync(sender, engines)
@@ -634,7 +600,7 @@ def run_grpo(
         for remote in remotes:
             remote.close()
         if plan.transport == "nccl":
-            torch.distributed.destroy_process_group()
+            leave_process_group()
     measured = [row for row in raw["history"] if row["step"] > args.warmup_steps]
     wall = raw["wall"]
     busy0, train_tokens0, logprob_tokens0 = raw["marks"]["trainer0"]

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import statistics
 import sys
@@ -44,9 +45,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_common import LongTail, build_model_folder
 
 from tandemrl.config.loader import load_config
-from tandemrl.training import logprob_head
+from tandemrl.training import logprob_head, policy_worker
 from tandemrl.training.batch import count_loss_tokens, split_microbatches, trim_padding
-from tandemrl.training.policy_worker import PolicyWorker, sort_rows_by_length
+from tandemrl.training.policy_worker import (
+    PolicyWorker,
+    sort_rows_by_length,
+    split_by_rows_and_tokens,
+)
 
 PROMPT_TOKENS = 60
 STARTED = time.perf_counter()
@@ -156,15 +161,32 @@ def time_steps(worker: PolicyWorker, batch: dict[str, torch.Tensor], repeats: in
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        asyncio.run(step())
-        sync()
-        times.append(time.perf_counter() - started)
+    marks: dict[str, list[float]] = {}
+    with phase_marks(marks):
+        for _ in range(repeats):
+            started = time.perf_counter()
+            marks.setdefault("step_start", []).append(started)
+            asyncio.run(step())
+            sync()
+            times.append(time.perf_counter() - started)
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+    phases = {
+        # host: sorting, cutting and moving the micro-batches; queueing every forward and
+        # backward (the loop never waits); waiting for the device to drain the queue.
+        "prepare_s": statistics.median(
+            e - b for b, e in zip(marks["step_start"], marks["prepared"], strict=True)
+        ),
+        "enqueue_s": statistics.median(
+            e - b for b, e in zip(marks["prepared"], marks["metrics_start"], strict=True)
+        ),
+        "drain_s": statistics.median(
+            e - b for b, e in zip(marks["metrics_start"], marks["metrics_end"], strict=True)
+        ),
+    }
     return {
         "step_s": statistics.median(times),
         "step_s_all": [round(t, 4) for t in times],
+        **phases,
         "warmup_s": warmup_s,
         "peak_gib": peak,
         "loss": metrics.get("loss"),
@@ -172,11 +194,44 @@ def time_steps(worker: PolicyWorker, batch: dict[str, torch.Tensor], repeats: in
     }
 
 
-def padded_tokens(lengths: list[int], micro: int) -> int:
-    ordered = sorted(lengths, reverse=True)
+@contextlib.contextmanager
+def phase_marks(marks: dict[str, list[float]]):
+    """Record host times inside train_microbatches: after the last micro-batch is prepared
+    (the first forward starts), and around the one metrics read-back."""
+    original_metrics = policy_worker.metrics_to_floats
+    original_prepare = PolicyWorker._prepare
+
+    def metrics(rows):
+        marks.setdefault("metrics_start", []).append(time.perf_counter())
+        try:
+            return original_metrics(rows)
+        finally:
+            marks.setdefault("metrics_end", []).append(time.perf_counter())
+
+    def prepare(self, micro, needed):
+        result = original_prepare(self, micro, needed)
+        # The last call of a step wins: overwrite this step's entry.
+        times = marks.setdefault("prepared", [])
+        if len(times) == len(marks["step_start"]):
+            times[-1] = time.perf_counter()
+        else:
+            times.append(time.perf_counter())
+        return result
+
+    policy_worker.metrics_to_floats = metrics
+    PolicyWorker._prepare = prepare
+    try:
+        yield
+    finally:
+        policy_worker.metrics_to_floats = original_metrics
+        PolicyWorker._prepare = original_prepare
+
+
+def padded_tokens(batch: dict[str, torch.Tensor], micro: int, tokens: int | None) -> int:
+    ordered, _ = sort_rows_by_length(batch)
     return sum(
-        max(ordered[i : i + micro]) * len(ordered[i : i + micro])
-        for i in range(0, len(ordered), micro)
+        part["input_ids"].shape[0] * int(part["attention_mask"].sum(1).max())
+        for part in split_by_rows_and_tokens(ordered, micro, tokens)
     )
 
 
@@ -195,12 +250,14 @@ def main() -> None:
         nargs="+",
         default=[
             "head",
-            "logits",
             "head_mb32",
-            "head_ckpt",
-            "head_eager",
-            "head_mb8",
+            "head_tok32k",
+            "logits",
             "compiled_layers",
+            "compiled_mb32",
+            "compiled_tok32k",
+            "compiled_tok48k",
+            "compiled_mb64",
         ],
     )
     args = parser.parse_args()
@@ -251,31 +308,43 @@ def main() -> None:
         "head_eager": {"compile_head": False},
         "head_mb8": {"micro": 8},
         "head_mb32": {"micro": 32},
+        "head_tok32k": {"micro": 64, "tokens": 32768},
         "head_ckpt": {"checkpointing": True},
+        # From here on the worker is rebuilt with policy.compile_layers: true (once).
         "compiled_layers": {"compile_layers": True},
+        "compiled_mb32": {"compile_layers": True, "micro": 32},
+        "compiled_tok32k": {"compile_layers": True, "micro": 64, "tokens": 32768},
+        "compiled_tok48k": {"compile_layers": True, "micro": 64, "tokens": 49152},
+        "compiled_mb64": {"compile_layers": True, "micro": 64},
     }
     rows = []
     for name in args.variants:
-        # torch.compile of 24 layers (forward and backward) may take a minute: start it early.
-        reserve = 60.0 if name == "compiled_layers" else 0.0
+        change = settings[name]
+        # torch.compile of 24 layers (forward and backward) takes a while: start it early.
+        compiling = change.get("compile_layers") and not worker.cfg.compile_layers
+        reserve = 60.0 if compiling else 0.0
         if time.perf_counter() - STARTED > args.budget_s - reserve:
             log(f"{name}: skipped (past --budget-s)")
             rows.append({"variant": name, "skipped": True})
             continue
-        change = settings[name]
+        if compiling:
+            del worker
+            torch.cuda.empty_cache() if cuda else None
+            compiled_cfg = cfg.policy.model_copy(update={"compile_layers": True})
+            worker = PolicyWorker(compiled_cfg, cfg.loss_fn, model_path=folder)
         micro = change.get("micro", 16)
+        tokens = change.get("tokens")
         worker.cfg.train_micro_batch_size = micro
+        worker.cfg.train_micro_batch_tokens = tokens
         worker.use_head_logprobs = change.get("use_head_logprobs", True)
         logprob_head.COMPILE_ON_CUDA = change.get("compile_head", True)
         if change.get("checkpointing"):
             worker.model.gradient_checkpointing_enable()
-        if change.get("compile_layers"):
-            for layer in worker.model.model.layers:
-                layer.compile(dynamic=True)
         row: dict[str, Any] = {
             "variant": name,
             "micro": micro,
-            "padded": padded_tokens(lengths, micro),
+            "tokens_budget": tokens,
+            "padded": padded_tokens(batch, micro, tokens),
         }
         try:
             row.update(time_steps(worker, batch, args.repeats))
@@ -299,6 +368,7 @@ def main() -> None:
     if cuda and timed and time.perf_counter() - STARTED < args.budget_s + 20:
         best = min(timed, key=lambda r: r["step_s"])
         worker.cfg.train_micro_batch_size = best["micro"]
+        worker.cfg.train_micro_batch_tokens = best["tokens_budget"]
         worker.use_head_logprobs = True
         logprob_head.COMPILE_ON_CUDA = True
 
@@ -317,17 +387,28 @@ def main() -> None:
         summary["profiled_variant"] = best["variant"]
 
     (args.out / "train_profile.json").write_text(json.dumps(summary, indent=1) + "\n")
-    print(
-        f"\n{'variant':16s} {'micro':>5s} {'padded':>7s} {'step s':>7s} {'tok/s':>8s} {'MFU conv':>8s} {'MFU perf':>8s} {'peak GiB':>8s}"
-    )
+    header = ("variant", "micro", "budget", "padded", "step s", "prep", "enqueue", "drain")
+    header += ("tok/s", "MFU conv", "MFU perf", "peak GiB")
+    print("\n" + " ".join(f"{h:>9s}" for h in header))
     for r in rows:
         if "step_s" not in r:
-            print(f"{r['variant']:16s} {r.get('error', 'skipped')}")
+            print(f"{r['variant']:>9s} {r.get('error', 'skipped')}")
             continue
-        print(
-            f"{r['variant']:16s} {r['micro']:5d} {r['padded']:7d} {r['step_s']:7.3f} "
-            f"{r['tokens_per_s']:8.0f} {r['mfu_conventional']:8.1%} {r['mfu_performed']:8.1%} {r['peak_gib']:8.1f}"
+        cells = (
+            r["variant"],
+            str(r["micro"]),
+            str(r["tokens_budget"]),
+            str(r["padded"]),
+            f"{r['step_s']:.3f}",
+            f"{r['prepare_s']:.3f}",
+            f"{r['enqueue_s']:.3f}",
+            f"{r['drain_s']:.3f}",
+            f"{r['tokens_per_s']:.0f}",
+            f"{r['mfu_conventional']:.1%}",
+            f"{r['mfu_performed']:.1%}",
+            f"{r['peak_gib']:.1f}",
         )
+        print(" ".join(f"{c:>9s}" for c in cells))
     print(f"RESULT {json.dumps(summary)}", flush=True)
 
 

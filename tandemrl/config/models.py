@@ -83,6 +83,15 @@ class OptimizerConfig(Strict):
 class SchedulerConfig(Strict):
     name: Literal["constant", "linear_warmup"] = "constant"
     warmup_steps: int = Field(0, ge=0)
+    # How the trainer's weights reach the generation workers after each step (Ray runs):
+    # "object_store" (a CPU copy through Ray's object store), "cuda_ipc" (workers map the
+    # trainer's GPU buffer; trainer and workers on one GPU), "nccl" (a broadcast from the
+    # trainer; over gloo on CPU), or "auto" (cuda_ipc when they share a GPU, nccl when each
+    # has its own, object_store on CPU). See tandemrl/config/weight_sync.py.
+    weight_sync: Literal["auto", "object_store", "cuda_ipc", "nccl"] = "auto"
+    # Longest wait of one weight sync on any process (cuda_ipc, nccl); a dead or stuck peer
+    # ends the wait with an error naming this key.
+    weight_sync_timeout_s: float = Field(120.0, gt=0.0)
 
 
 class PolicyConfig(Strict):
@@ -103,6 +112,12 @@ class PolicyConfig(Strict):
     optimizer: OptimizerConfig = OptimizerConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     offload_optimizer_for_logprob: bool = False
+    # Padded-token budget of one training micro-batch (rows x longest row, rows sorted by
+    # length); None: train_micro_batch_size rows each. When set, both limits apply.
+    train_micro_batch_tokens: int | None = Field(None, ge=1)
+    # torch.compile every decoder layer of the trainer (dynamic shapes; pays on CUDA, where
+    # it fuses the elementwise work between the matrix products).
+    compile_layers: bool = False
 
 
 # --------------------------------------------------------------------------- algorithms

@@ -18,6 +18,7 @@ from typing import Any
 
 from tandemrl.config.capacity import GATED_SAMPLER_MODES, required_buffer_capacity
 from tandemrl.config.models import CustomSamplerConfig, MasterConfig
+from tandemrl.config.weight_sync import facts_from_config, weight_sync_problems
 
 # Data-plane backends whose rows can be saved to and loaded from a checkpoint directory.
 NATIVE_SAVE_BACKENDS = ("local", "simple")
@@ -120,6 +121,7 @@ class _Checker:
                 "policy.dtensor_cfg.enabled: must be true — the PyTorch trainer is the only "
                 "trainer TandemRL has"
             )
+        self.errors.extend(weight_sync_problems(self.cfg, facts_from_config(self.cfg)))
         if generation.backend == "vllm":
             if not generation.vllm_cfg.async_engine:
                 self.error(

@@ -5,6 +5,11 @@ handles here; this actor builds the light, pure-state parts (buffer, sampler, da
 dataloader, ledger) from the config in its own process, runs both pumps in its event loop,
 and lets the driver poll finished steps (``progress``) and what each pump waits on
 (``status``) while ``run`` is in progress. It reserves no CPU: it mostly waits.
+
+The weight synchroniser is the one part chosen here rather than in ``build_controller``:
+``make_weight_sync`` turns the transport settled at launch (``object_store``, ``cuda_ipc`` or
+``nccl``) into an object whose ``sync(version)`` drives the trainer and generation actors; the
+controller only ever calls ``sync``.
 """
 
 from __future__ import annotations
@@ -20,9 +25,11 @@ from tandemrl.config.models import MasterConfig
 from tandemrl.controller.build import ControllerParts, build_controller
 from tandemrl.controller.ray_proxy import ActorProxy
 from tandemrl.controller.single_controller import SingleController
-from tandemrl.controller.weight_sync import RayObjectStoreWeightSync
+from tandemrl.controller.weight_sync import RayObjectStoreWeightSync, WeightSynchronizer
+from tandemrl.controller.weight_sync_cuda import CudaIpcWeightSync, NcclWeightSync
 from tandemrl.envs import create_environment
 from tandemrl.models import load_tokenizer
+from tandemrl.rollout.generation_pool import GenerationPool
 from tandemrl.rollout.manager import TextCodec
 
 
@@ -32,6 +39,22 @@ def text_codec(tokenizer: Any) -> TextCodec:
         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+    )
+
+
+def make_weight_sync(
+    transport: str, trainer_handle: Any, pool: GenerationPool, *, timeout_s: float
+) -> WeightSynchronizer:
+    """The synchroniser for ``transport`` over the trainer actor and the pool's workers."""
+    if transport == "object_store":
+        return RayObjectStoreWeightSync(trainer_handle, pool)
+    if transport == "cuda_ipc":
+        return CudaIpcWeightSync(ActorProxy(trainer_handle), pool, timeout_s=timeout_s)
+    if transport == "nccl":
+        return NcclWeightSync(ActorProxy(trainer_handle), pool, timeout_s=timeout_s)
+    raise ValueError(
+        f"policy.generation.weight_sync={transport!r} is not a transport; use object_store, "
+        "cuda_ipc or nccl (auto is settled at launch)"
     )
 
 
@@ -45,6 +68,7 @@ class SingleControllerActor:
         restore_plan: RestorePlan,
         *,
         value_trainer_handle: Any = None,
+        weight_sync: str = "object_store",
     ) -> None:
         torch.set_num_threads(1)
         logging.basicConfig(level=cfg.logger.level)
@@ -54,6 +78,7 @@ class SingleControllerActor:
         self.engine_handles = list(engine_handles)
         self.restore_plan = restore_plan
         self.value_trainer_handle = value_trainer_handle  # PPO critic; None on GRPO
+        self.weight_sync = weight_sync  # the transport settled at launch
         self.controller: SingleController | None = None
         self._run_task: asyncio.Task[Any] | None = None
 
@@ -64,7 +89,12 @@ class SingleControllerActor:
             engines=engines,
             env=create_environment(self.cfg.env),
             codec=text_codec(load_tokenizer(self.model_path)),
-            weight_sync=lambda pool: RayObjectStoreWeightSync(self.trainer_handle, pool),
+            weight_sync=lambda pool: make_weight_sync(
+                self.weight_sync,
+                self.trainer_handle,
+                pool,
+                timeout_s=self.cfg.policy.generation.weight_sync_timeout_s,
+            ),
             value_trainer=None
             if self.value_trainer_handle is None
             else ActorProxy(self.value_trainer_handle),

@@ -5,8 +5,11 @@ Placement comes from the config:
 - CPU only (no GPU in the cluster): each generation worker and the policy trainer reserve one
   CPU (half a CPU each when the cluster has fewer CPUs than processes), so generation and
   training run on different cores and overlap in time.
-- GPU, non-colocated: ``policy.generation.colocated.resources.gpus_per_node`` GPUs go to
-  generation (split over ``policy.generation.num_workers``), the rest of the node to training.
+- GPU, non-colocated: ``policy.generation.colocated.resources.gpus_per_node`` (k) GPUs go to
+  generation, split over ``policy.generation.num_workers`` (one GPU each, or a share of one
+  when there are more workers than GPUs; the torch engine drives one GPU, so never more), and
+  the trainer takes one GPU of the rest. Ray assigns the devices (in creation order: the
+  generation workers, created first, usually get GPUs 0..k-1); any GPU beyond k + 1 idles.
 - GPU, colocated: generation and training share the GPU (half a GPU each as far as Ray's
   accounting goes); the engine stands down for every train step.
 - PPO: the critic (value worker) splits the policy trainer's share in half (on 2 CPUs: one CPU
@@ -15,6 +18,10 @@ Placement comes from the config:
   share the training core or GPU instead of taking one from generation.
 
 The controller actor reserves no CPU: it spends its time waiting on the workers.
+
+Weight sync: ``policy.generation.weight_sync`` is settled here from the cluster's GPUs
+(``tandemrl.config.weight_sync``) and handed to the controller actor, which builds the
+synchroniser (``tandemrl.controller.actor.make_weight_sync``).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from typing import Any
 
 from tandemrl.checkpoint.restore import plan_restore
 from tandemrl.config.models import MasterConfig
+from tandemrl.config.weight_sync import facts_from_config, resolve_weight_sync
 from tandemrl.controller.actor import SingleControllerActor
 from tandemrl.generation import engine_options
 from tandemrl.generation.worker import make_generation_worker_class
@@ -82,9 +90,20 @@ def _plan_policy_placement(
             f"between 1 and {int(cluster_gpus) - 1} (the rest train); got {generation_gpus} "
             f"with {int(cluster_gpus)} GPU(s) in the cluster"
         )
-    return Placement(
-        cpus_each, generation_gpus / workers, cpus_each, min(cluster_gpus - generation_gpus, 1.0)
-    )
+    if generation_gpus > workers:
+        raise PlacementError(
+            f"policy.generation.colocated.resources.gpus_per_node={generation_gpus} GPUs for "
+            f"policy.generation.num_workers={workers} worker(s): a torch generation worker drives "
+            f"one GPU, so set num_workers to {generation_gpus} (one per GPU) or fewer GPUs"
+        )
+    spare = cluster_gpus - generation_gpus - 1
+    if spare >= 1:
+        log.warning(
+            "%d GPU(s) of the cluster stay idle: generation takes %d, the trainer one",
+            int(spare),
+            generation_gpus,
+        )
+    return Placement(cpus_each, generation_gpus / workers, cpus_each, 1.0)
 
 
 @dataclass
@@ -115,8 +134,14 @@ def launch(cfg: MasterConfig) -> Launched:
     placement = plan_placement(
         cfg, cluster_cpus=resources.get("CPU", 1.0), cluster_gpus=resources.get("GPU", 0.0)
     )
+    try:
+        weight_sync = resolve_weight_sync(
+            cfg, facts_from_config(cfg, cluster_gpus=resources.get("GPU", 0.0))
+        )
+    except ValueError as exc:
+        raise PlacementError(str(exc)) from exc
     model_path = str(resolve_model_path(cfg.policy.model_name))
-    log.info("model %s; placement %s", model_path, placement)
+    log.info("model %s; placement %s; weight sync %s", model_path, placement, weight_sync)
     algo = cfg.algorithm
     backend = cfg.policy.generation.backend
     if backend not in ("torch", "vllm"):
@@ -167,7 +192,15 @@ def launch(cfg: MasterConfig) -> Launched:
     controller = (
         ray.remote(num_cpus=0, max_concurrency=8)(SingleControllerActor)
         .options(name=None)
-        .remote(cfg, model_path, trainer, engines, plan, value_trainer_handle=value_trainer)
+        .remote(
+            cfg,
+            model_path,
+            trainer,
+            engines,
+            plan,
+            value_trainer_handle=value_trainer,
+            weight_sync=weight_sync,
+        )
     )
     # Fail here, not mid-run, when a worker cannot start (bad model folder, no memory).
     ray.get([engine.ping.remote() for engine in engines])

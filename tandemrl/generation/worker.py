@@ -15,6 +15,13 @@ aborts and stand-downs arrive between decode steps. ``make_generation_worker_cla
 
 The class itself is plain Python (no Ray needed to construct it), so its wrapping logic is
 testable in-process.
+
+Weights arrive in one of three ways, chosen by ``policy.generation.weight_sync``:
+``update_weights`` (a state dict through Ray's object store), or the flat-buffer transports of
+``WeightReceiverHost`` (``tandemrl.controller.weight_sync_cuda``): ``attach_weight_buffer`` /
+``load_weight_buffer`` map the trainer's buffer over CUDA IPC, ``join_weight_group`` /
+``receive_weight_broadcast`` / ``leave_weight_group`` take part in the trainer's broadcast
+(NCCL on GPUs, gloo on CPU). All three end in the engine's ``update_weights``.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from typing import Any
 
 import torch
 
+from tandemrl.controller.weight_sync_cuda import WeightReceiverHost
 from tandemrl.generation.torch_engine import TorchGenerationEngine
 from tandemrl.records import GenerationRequest, GenerationResult
 
@@ -33,7 +41,7 @@ from tandemrl.records import GenerationRequest, GenerationResult
 DEFAULT_MAX_CONCURRENCY = 1000
 
 
-class GenerationWorker:
+class GenerationWorker(WeightReceiverHost):
     """Actor body: every method forwards to the engine (see ``TorchGenerationEngine``)."""
 
     def __init__(

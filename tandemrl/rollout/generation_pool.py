@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +35,7 @@ class _Worker:
     alive: bool = True
 
 
-def _is_worker_death(exc: BaseException) -> bool:
+def is_worker_death(exc: BaseException) -> bool:
     try:
         from ray.exceptions import RayActorError
     except ImportError:
@@ -87,7 +88,7 @@ class GenerationPool:
                 return await worker.engine.generate(requests)
             return await self._generate_with_deadline(worker, requests)
         except Exception as exc:
-            if _is_worker_death(exc):
+            if is_worker_death(exc):
                 self.mark_dead(worker, exc)
                 raise GenerationError(f"generation worker {worker.index} died: {exc}") from exc
             raise
@@ -119,22 +120,55 @@ class GenerationPool:
                 )
             remaining = timeout - awake_elapsed
 
-    async def broadcast(self, method: str, *args: Any) -> list[Any]:
-        """Call ``method`` on every live engine; a worker found dead is taken out of rotation."""
-        workers = [w for w in self._workers if w.alive]
+    @property
+    def live_indices(self) -> tuple[int, ...]:
+        """Indices (fixed at construction) of the workers still in rotation."""
+        return tuple(w.index for w in self._workers if w.alive)
+
+    def engine_at(self, index: int) -> Any:
+        return self._workers[index].engine
+
+    def check_alive(self) -> None:
+        """Raise ``NoGenerationWorkers`` when every worker has died."""
+        if self.num_alive == 0:
+            self._pick()  # raises with the full story
+
+    async def call_each(
+        self,
+        call: Callable[[int, Any], Awaitable[Any]],
+        *,
+        indices: Sequence[int] | None = None,
+    ) -> dict[int, Any]:
+        """Run ``call(index, engine)`` on each live worker (or the live ones of ``indices``).
+
+        Returns index -> result, or the exception the call raised. A worker whose process died
+        is taken out of rotation (its entry holds the death); other exceptions are returned
+        for the caller to judge. Transports that give each worker different arguments (a
+        process-group rank) or must see every outcome (a collective) use this.
+        """
+        wanted = None if indices is None else set(indices)
+        workers = [w for w in self._workers if w.alive and (wanted is None or w.index in wanted)]
         results = await asyncio.gather(
-            *(getattr(w.engine, method)(*args) for w in workers), return_exceptions=True
+            *(call(w.index, w.engine) for w in workers), return_exceptions=True
+        )
+        for worker, result in zip(workers, results, strict=True):
+            if isinstance(result, BaseException) and is_worker_death(result):
+                self.mark_dead(worker, result)
+        return {worker.index: result for worker, result in zip(workers, results, strict=True)}
+
+    async def broadcast(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Call ``method`` on every live engine; a worker found dead is taken out of rotation."""
+        outcomes = await self.call_each(
+            lambda _index, engine: getattr(engine, method)(*args, **kwargs)
         )
         values = []
-        for worker, result in zip(workers, results, strict=True):
+        for result in outcomes.values():
             if isinstance(result, BaseException):
-                if _is_worker_death(result):
-                    self.mark_dead(worker, result)
+                if is_worker_death(result):
                     continue
                 raise result
             values.append(result)
-        if self.num_alive == 0:
-            self._pick()  # raises NoGenerationWorkers with the full story
+        self.check_alive()
         return values
 
     async def abort(self, request_ids: list[str]) -> None:

@@ -64,6 +64,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from tandemrl.config.models import LossConfig, PolicyConfig
+from tandemrl.controller.weight_sync_cuda import WeightSenderHost
 from tandemrl.models import load_causal_lm, resolve_device, resolve_model_path
 from tandemrl.training.api import TrainBatch
 from tandemrl.training.batch import count_loss_tokens, loss_mask, split_microbatches, trim_padding
@@ -144,13 +145,44 @@ class Micro:
 
     ``needed``: the flat indices (into [b, l]) of the positions whose logprob is computed;
     ``targets``: the token at each; the head reads the hidden state one position earlier.
-    ``model_mask``: the attention mask to pass to the model (None for right-padded rows).
+    ``model_mask``: the attention mask to pass to the model (for right-padded rows a
+    mapping that tells transformers to use plain causal attention, or None).
     """
 
     batch: TrainBatch
     needed: torch.Tensor
     targets: torch.Tensor
-    model_mask: torch.Tensor | None
+    model_mask: torch.Tensor | dict[str, None] | None
+
+
+def split_by_rows_and_tokens(
+    batch: TrainBatch, max_rows: int, max_tokens: int | None
+) -> list[TrainBatch]:
+    """Consecutive micro-batches of at most ``max_rows`` rows and, when ``max_tokens`` is set,
+    at most ``max_tokens`` padded tokens (rows x the longest row's real length; a row longer
+    than the budget goes alone). Meant for length-sorted rows (longest first), where it keeps
+    the padded size of every micro-batch near the budget: long rows go in small groups,
+    short rows in large ones."""
+    if max_tokens is None:
+        return split_microbatches(batch, max_rows)
+    lengths = batch["attention_mask"].sum(dim=1).tolist()
+    bounds, start, longest = [], 0, 0
+    for index, length in enumerate(lengths):
+        longest_with = max(longest, length)
+        rows = index - start + 1
+        if index > start and (rows > max_rows or rows * longest_with > max_tokens):
+            bounds.append((start, index))
+            start, longest_with = index, length
+        longest = longest_with
+    bounds.append((start, len(lengths)))
+    size = batch["input_ids"].shape[0]
+    return [
+        {
+            key: value[lo:hi] if value.dim() > 0 and value.shape[0] == size else value
+            for key, value in batch.items()
+        }
+        for lo, hi in bounds
+    ]
 
 
 def sort_rows_by_length(batch: TrainBatch) -> tuple[TrainBatch, torch.Tensor]:
@@ -170,7 +202,7 @@ def sort_rows_by_length(batch: TrainBatch) -> tuple[TrainBatch, torch.Tensor]:
     return reordered, order
 
 
-class PolicyWorker(SplitStepWorkerAPI):
+class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
     """Trains the policy; see the module docstring for the step protocol and file layout."""
 
     def __init__(
@@ -204,6 +236,14 @@ class PolicyWorker(SplitStepWorkerAPI):
         # Logprobs from the hidden states through the chunked head (logprob_head.py) where
         # the model's logits are a plain lm_head; the full-logits path otherwise.
         self.use_head_logprobs = supports_head_logprobs(self.model)
+        # Right-padded micro-batches pass this mapping as the attention mask: transformers
+        # then builds no mask (and skips its packed-sequence probe, a wait for the device
+        # at every forward) and attention runs the plain causal kernel.
+        layer_types = set(getattr(self.model.config, "layer_types", None) or ["full_attention"])
+        self._no_mask = {"full_attention": None} if layer_types == {"full_attention"} else None
+        if policy_cfg.compile_layers:
+            for layer in self._decoder_layers():
+                layer.compile(dynamic=True)
         if policy_cfg.dtensor_cfg.activation_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.optimizer = build_optimizer(self.model.parameters(), policy_cfg.optimizer, self.device)
@@ -212,6 +252,15 @@ class PolicyWorker(SplitStepWorkerAPI):
         self._step = StepTracker()
         self._executor = SerialExecutor()
         self.optimizer_steps = 0
+
+    def _decoder_layers(self) -> torch.nn.ModuleList:
+        layers = getattr(self.model.base_model, "layers", None)
+        if not isinstance(layers, torch.nn.ModuleList):
+            raise ValueError(
+                "policy.compile_layers: true needs a model whose base model keeps its decoder "
+                f"layers in .layers ({type(self.model).__name__} does not); set it to false"
+            )
+        return layers
 
     # ------------------------------------------------------------------ properties
 
@@ -242,6 +291,11 @@ class PolicyWorker(SplitStepWorkerAPI):
                 f"{self.cfg.max_total_sequence_length}"
             )
 
+    def _split(self, batch: TrainBatch) -> list[TrainBatch]:
+        return split_by_rows_and_tokens(
+            batch, self.cfg.train_micro_batch_size, self.cfg.train_micro_batch_tokens
+        )
+
     def _prepare(self, micro: TrainBatch, needed: torch.Tensor) -> Micro:
         """Move a (trimmed, CPU) micro-batch to the device with its head indices.
 
@@ -252,13 +306,13 @@ class PolicyWorker(SplitStepWorkerAPI):
         needed[:, 0] = False
         index = needed.reshape(-1).nonzero().squeeze(1)
         targets = micro["input_ids"].reshape(-1).index_select(0, index)
-        model_mask = None if is_right_padded(micro["attention_mask"]) else micro["attention_mask"]
-        to_device = self._to_device
+        batch = self._to_device(micro)
+        right_padded = is_right_padded(micro["attention_mask"])
         return Micro(
-            batch=to_device(micro),
+            batch=batch,
             needed=index.to(self.device),
             targets=targets.to(self.device),
-            model_mask=None if model_mask is None else model_mask.to(self.device),
+            model_mask=self._no_mask if right_padded else batch["attention_mask"],
         )
 
     def _forward(self, micro: Micro, *, entropy: str) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -316,10 +370,7 @@ class PolicyWorker(SplitStepWorkerAPI):
         self.model.eval()
         batch, order = sort_rows_by_length(batch)
         out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32, device=self.device)
-        micros = [
-            trim_padding(micro)
-            for micro in split_microbatches(batch, self.cfg.train_micro_batch_size)
-        ]
+        micros = [trim_padding(micro) for micro in self._split(batch)]
         start = 0
         with torch.no_grad():
             for micro in micros:
@@ -358,9 +409,7 @@ class PolicyWorker(SplitStepWorkerAPI):
         # for the device and never waits on it; the metrics come back in one transfer.
         micros = [
             self._prepare(micro, loss_mask(micro) > 0)
-            for micro in map(
-                trim_padding, split_microbatches(batch, self.cfg.train_micro_batch_size)
-            )
+            for micro in map(trim_padding, self._split(batch))
             if count_loss_tokens(micro) > 0  # the others add exactly 0 to loss and gradient
         ]
         entropy_mode = "grad" if self.loss_cfg.entropy_coef > 0 else "metric"
@@ -487,6 +536,15 @@ class PolicyWorker(SplitStepWorkerAPI):
 
     async def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         await self._executor.run(self._load_weights, state_dict)
+
+    # Device weight sync (CUDA IPC, NCCL): the sender methods come from WeightSenderHost;
+    # staging reads the parameters on the serial executor, like every other use of the model.
+
+    def _weight_sync_model(self) -> torch.nn.Module:
+        return self.model
+
+    async def _weight_sync_run(self, fn: Any, *args: Any) -> Any:
+        return await self._executor.run(fn, *args)
 
     async def offload_optimizer(self) -> None:
         await self._executor.run(self._offload.offload)

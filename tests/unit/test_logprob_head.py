@@ -17,7 +17,7 @@ from tandemrl.config.validate import ConfigError, validate_single_controller_con
 from tandemrl.controller.step_runner import GRPOStepRunner
 from tandemrl.training.batch import collate_rows, make_training_row
 from tandemrl.training.logprob_head import head_logprobs, supports_head_logprobs
-from tandemrl.training.policy_worker import is_right_padded
+from tandemrl.training.policy_worker import is_right_padded, split_by_rows_and_tokens
 
 
 @pytest.fixture(scope="module")
@@ -218,3 +218,20 @@ def test_compiled_bf16_head_on_cuda_matches_float64() -> None:
     ):
         error = (a.detach().double() - b.detach()).norm() / b.detach().norm()
         assert error < 1e-2, (name, float(error))
+
+
+def test_split_by_rows_and_tokens_keeps_each_micro_batch_in_budget() -> None:
+    lengths = [9, 8, 8, 5, 4, 4, 3, 2, 2, 1]
+    mask = (torch.arange(9)[None, :] < torch.tensor(lengths)[:, None]).long()
+    batch = {"input_ids": mask.clone(), "attention_mask": mask, "sample_mask": torch.ones(10)}
+    micros = split_by_rows_and_tokens(batch, max_rows=4, max_tokens=16)
+    sizes = [m["input_ids"].shape[0] for m in micros]
+    assert sizes == [1, 2, 3, 4]  # 9 | 8 8 | 5 4 4 | 3 2 2 1
+    for micro in micros:
+        rows = micro["input_ids"].shape[0]
+        longest = int(micro["attention_mask"].sum(1).max())
+        assert rows == 1 or rows * longest <= 16
+        assert rows <= 4
+    assert torch.equal(torch.cat([m["sample_mask"] for m in micros]), batch["sample_mask"])
+    fixed = split_by_rows_and_tokens(batch, max_rows=4, max_tokens=None)
+    assert [m["input_ids"].shape[0] for m in fixed] == [4, 4, 2]

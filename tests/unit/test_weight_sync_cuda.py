@@ -1,31 +1,37 @@
 """Flat-buffer weight sync: layout, packing, and the IPC / NCCL protocols, run on CPU.
 
 On CPU the IPC handle is shared memory and the process group uses gloo, so these tests run
-the same code as the GPU transports across real processes; only the CUDA calls differ.
+the same code as the GPU transports across real processes; only the CUDA calls differ. The
+synchronisers' failure handling (dead workers, hung peers) is also driven with in-process
+fakes, where each outcome can be forced.
 """
 
 from __future__ import annotations
 
 import asyncio
 import multiprocessing.connection
-import socket
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
+from ray.exceptions import ActorDiedError
 from transformers import AutoModelForCausalLM, Qwen2Config
 
+from tandemrl.controller import weight_sync_cuda
 from tandemrl.controller.weight_sync_cuda import (
     ALIGN_ELEMENTS,
     CudaIpcWeightSync,
     DeviceWeightSync,
-    FlatWeightReceiver,
     FlatWeightSender,
+    IpcBuffer,
+    LocalWeightSender,
     NcclWeightSync,
     WeightLayout,
-    init_weight_group,
+    WeightReceiverHost,
+    WeightSyncError,
+    leave_process_group,
 )
+from tandemrl.rollout.generation_pool import GenerationPool, NoGenerationWorkers
 
 TIED = "lm_head.weight"
 EMBED = "model.embed_tokens.weight"
@@ -141,132 +147,240 @@ def test_device_weight_sync_loads_every_engine_in_process() -> None:
 # ---------------------------------------------------------------------- across processes
 
 
+class _ReceiverHost(WeightReceiverHost):
+    """A generation process's host: a bf16 model standing in for the engine."""
+
+    def __init__(self) -> None:
+        self.engine = _ModelLoader(_tiny_model(seed=7).to(torch.bfloat16))
+        self.engine.device = torch.device("cpu")
+
+    async def update_weights(self, version: int, weights: Any) -> None:
+        await self.engine.update_weights(version, weights)
+
+    async def snapshot(self) -> tuple[list[int], dict[str, torch.Tensor]]:
+        state = {k: v.detach().clone() for k, v in self.engine.model.state_dict().items()}
+        return list(self.engine.versions), state
+
+
 def _receiver_child(conn: multiprocessing.connection.Connection) -> None:
-    """A generation process: maps or receives the flat buffer, loads it into its own model."""
+    """A generation process: runs each (method, args, kwargs) on its host, one at a time."""
     torch.set_num_threads(1)
-    loader = _ModelLoader(_tiny_model(seed=7))
-    receiver: FlatWeightReceiver | None = None
+    host = _ReceiverHost()
     while True:
-        message = conn.recv()
-        kind = message[0]
-        if kind == "attach":
-            receiver = FlatWeightReceiver.from_ipc_handle(loader, message[2], message[1])
-            conn.send("attached")
-        elif kind == "join":
-            init_weight_group(
-                rank=1,
-                world_size=2,
-                init_method=message[1],
-                backend="gloo",
-                device=torch.device("cpu"),
-            )
-            receiver = FlatWeightReceiver.with_own_buffer(loader, message[2], "cpu")
-            conn.send("joined")
-        elif kind in ("load", "broadcast"):
-            assert receiver is not None
-            if kind == "load":
-                asyncio.run(receiver.load(message[1]))
-            else:
-                asyncio.run(receiver.receive_broadcast(message[1]))
-            state = {k: v.detach().clone() for k, v in loader.model.state_dict().items()}
-            conn.send((list(loader.versions), state))
-        else:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-            conn.send("stopped")
+        name, args, kwargs = conn.recv()
+        if name == "stop":
+            leave_process_group()
+            conn.send((True, "stopped"))
             return
+        try:
+            conn.send((True, asyncio.run(getattr(host, name)(*args, **kwargs))))
+        except Exception as exc:
+            conn.send((False, repr(exc)))
 
 
 class _ChildEngine:
-    """The controller-side handle of ``_receiver_child`` (what a Ray actor handle would be)."""
+    """The controller-side handle of ``_receiver_child``; a dead child raises what a dead
+    Ray actor raises, so the pool takes it out of rotation."""
 
     def __init__(self) -> None:
         context = torch.multiprocessing.get_context("spawn")
         self.conn, child_conn = context.Pipe()
         self.process = context.Process(target=_receiver_child, args=(child_conn,), daemon=True)
         self.process.start()
-        self.attach_calls = 0
-        self.versions: list[int] = []
-        self.state: dict[str, torch.Tensor] = {}
+        self.calls: list[str] = []
 
-    def _round_trip(self, message: tuple[Any, ...]) -> Any:
-        self.conn.send(message)
-        if not self.conn.poll(120):
-            raise TimeoutError(f"child gave no answer to {message[0]!r}")
-        return self.conn.recv()
+    def _round_trip(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        try:
+            self.conn.send((name, args, kwargs))
+            if not self.conn.poll(120):
+                raise TimeoutError(f"child gave no answer to {name!r}")
+            ok, value = self.conn.recv()
+        except (EOFError, BrokenPipeError, ConnectionResetError) as exc:
+            raise ActorDiedError() from exc
+        if not ok:
+            raise RuntimeError(f"{name} failed in the child: {value}")
+        return value
 
-    async def _ask(self, *message: Any) -> Any:
-        return await asyncio.to_thread(self._round_trip, message)
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
 
-    async def attach_weight_buffer(self, handle: Any, layout: WeightLayout) -> None:
-        self.attach_calls += 1
-        assert await self._ask("attach", handle, layout) == "attached"
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            self.calls.append(name)
+            return await asyncio.to_thread(self._round_trip, name, args, kwargs)
 
-    async def load_weight_buffer(self, version: int) -> None:
-        self.versions, self.state = await self._ask("load", version)
+        return call
 
-    async def receive_weight_broadcast(self, version: int) -> None:
-        self.versions, self.state = await self._ask("broadcast", version)
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join(timeout=30)
 
     def stop(self) -> None:
         if self.process.is_alive():
-            assert self._round_trip(("stop",)) == "stopped"
+            self._round_trip("stop", (), {})
         self.process.join(timeout=30)
+
+
+async def _held(child: _ChildEngine) -> tuple[list[int], dict[str, torch.Tensor]]:
+    return await child.snapshot()
 
 
 def test_ipc_sync_maps_the_buffer_once_and_sees_every_later_update() -> None:
     trainer = _tiny_model(0)
     child = _ChildEngine()
     try:
-        sync = CudaIpcWeightSync(FlatWeightSender(trainer, torch.bfloat16), [child])
+        # The trainer's sender starts in float32; the first sync re-creates it in the
+        # engine's dtype (bf16), which is what the child then holds.
+        sync = CudaIpcWeightSync(FlatWeightSender(trainer, torch.float32), [child])
         asyncio.run(sync.sync(1))
-        assert child.versions == [1]
-        _assert_state_equal(child.state, _expected(trainer, torch.bfloat16))
+        versions, state = asyncio.run(_held(child))
+        assert versions == [1] and sync.layout is not None and sync.layout.dtype == "bfloat16"
+        _assert_state_equal(state, _expected(trainer, torch.bfloat16))
         _perturb(trainer, seed=3)
         asyncio.run(sync.sync(2))
         # The handle went over once; the child read version 2 through the same mapping.
-        assert child.attach_calls == 1
-        assert child.versions == [1, 2]
-        _assert_state_equal(child.state, _expected(trainer, torch.bfloat16))
+        assert child.calls.count("attach_weight_buffer") == 1
+        versions, state = asyncio.run(_held(child))
+        assert versions == [1, 2]
+        _assert_state_equal(state, _expected(trainer, torch.bfloat16))
     finally:
         child.stop()
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+def test_ipc_buffer_refuses_a_worker_on_another_device() -> None:
+    buffer = IpcBuffer.export(torch.zeros(4))
+    assert buffer.open(torch.device("cpu")).shape == (4,)
+    elsewhere = IpcBuffer(buffer.handle, gpu_uuid="GPU-0000")
+    with pytest.raises(WeightSyncError, match=r"one GPU.*weight_sync: nccl"):
+        elsewhere.open(torch.device("cpu"))
 
 
-def test_broadcast_sync_over_a_gloo_group_delivers_every_version() -> None:
+def test_broadcast_sync_over_gloo_delivers_every_version_and_survives_a_dead_worker() -> None:
     trainer = _tiny_model(0)
-    sender = FlatWeightSender(trainer, torch.bfloat16)
-    child = _ChildEngine()
-    init = f"tcp://127.0.0.1:{_free_port()}"
-
-    async def join() -> None:
-        await asyncio.gather(
-            asyncio.to_thread(
-                init_weight_group,
-                rank=0,
-                world_size=2,
-                init_method=init,
-                backend="gloo",
-                device=torch.device("cpu"),
-            ),
-            child._ask("join", init, sender.layout),
-        )
-
+    children = [_ChildEngine(), _ChildEngine()]
+    pool = GenerationPool(children)
+    sync = NcclWeightSync(FlatWeightSender(trainer, torch.bfloat16), pool, timeout_s=20)
     try:
-        asyncio.run(join())
-        sync = NcclWeightSync(sender, [child], group=dist.group.WORLD)
         asyncio.run(sync.sync(1))
-        _assert_state_equal(child.state, _expected(trainer, torch.bfloat16))
+        assert sync.members == (0, 1) and sync.groups_formed == 1
+        for child in children:
+            versions, state = asyncio.run(_held(child))
+            assert versions == [1]
+            _assert_state_equal(state, _expected(trainer, torch.bfloat16))
         _perturb(trainer, seed=4)
         asyncio.run(sync.sync(2))
-        assert child.versions == [1, 2]
-        _assert_state_equal(child.state, _expected(trainer, torch.bfloat16))
+        assert sync.groups_formed == 1  # the group is kept between syncs
+        # Worker 0 dies between syncs: the next sync notices (its broadcast fails or its call
+        # raises), takes it out of rotation and re-forms the group with the survivor.
+        children[0].kill()
+        _perturb(trainer, seed=5)
+        asyncio.run(sync.sync(3))
+        assert pool.live_indices == (1,) and pool.dead_workers == [0]
+        assert sync.members == (1,) and sync.groups_formed == 2
+        versions, state = asyncio.run(_held(children[1]))
+        assert versions[-1] == 3
+        _assert_state_equal(state, _expected(trainer, torch.bfloat16))
+        children[1].kill()
+        with pytest.raises(NoGenerationWorkers):
+            asyncio.run(sync.sync(4))
     finally:
-        child.stop()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        for child in children:
+            child.stop()
+        leave_process_group()
+
+
+def test_a_broadcast_nobody_receives_times_out_and_names_the_setting() -> None:
+    trainer = _tiny_model(0)
+    child = _ChildEngine()
+    host = LocalWeightSender(FlatWeightSender(trainer, torch.bfloat16))
+    sync = NcclWeightSync(host, [child], timeout_s=20)
+    try:
+        asyncio.run(sync.sync(1))  # the group exists; now the child never receives
+        with pytest.raises(TimeoutError, match="weight_sync_timeout_s"):
+            asyncio.run(host.broadcast_weights(0.5))
+    finally:
+        leave_process_group()
+        child.kill()
+
+
+# ---------------------------------------------------------------------- failure handling, fakes
+
+
+class _FakeTrainer:
+    """Trainer host whose group calls only record what happened."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            self.calls.append(name)
+            if name == "create_weight_sender":
+                return WeightLayout.from_state_dict({"w": torch.zeros(2)}, torch.float32)
+            if name == "open_weight_group":
+                return weight_sync_cuda.WeightGroupAddress("h", 1, "gloo", kwargs["world_size"], 1)
+            return None
+
+        return call
+
+
+class _FakeEngine:
+    def __init__(self, *, dies_on: str | None = None, hangs_on: str | None = None) -> None:
+        self.dies_on = dies_on
+        self.hangs_on = hangs_on
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            self.calls.append(name)
+            if name == self.dies_on:
+                raise ActorDiedError()
+            if name == self.hangs_on:
+                await asyncio.Event().wait()
+            return "float32" if name == "weight_sync_dtype" else None
+
+        return call
+
+
+def test_a_worker_dying_mid_broadcast_is_dropped_and_the_group_re_formed() -> None:
+    trainer = _FakeTrainer()
+    engines = [_FakeEngine(dies_on="receive_weight_broadcast"), _FakeEngine(), _FakeEngine()]
+    pool = GenerationPool(engines)
+    sync = NcclWeightSync(trainer, pool, timeout_s=1)
+    asyncio.run(sync.sync(1))
+    assert pool.dead_workers == [0]
+    assert sync.members == (1, 2) and sync.groups_formed == 2
+    # formed, broadcast (one death), left, formed again, broadcast
+    assert trainer.calls.count("join_weight_group_as_sender") == 2
+    assert trainer.calls.count("broadcast_weights") == 2
+    assert engines[1].calls.count("receive_weight_broadcast") == 2
+    assert engines[1].calls.count("leave_weight_group") == 1
+
+
+def test_a_hung_worker_ends_the_sync_with_an_error_naming_the_setting(monkeypatch) -> None:
+    monkeypatch.setattr(weight_sync_cuda, "CONTROLLER_SLACK_S", 0.05)
+    sync = NcclWeightSync(_FakeTrainer(), [_FakeEngine(hangs_on="receive_weight_broadcast")])
+    sync.timeout_s = 0.05
+    with pytest.raises(WeightSyncError, match=r"broadcast gave no answer.*weight_sync_timeout_s"):
+        asyncio.run(sync.sync(1))
+    ipc = CudaIpcWeightSync(_FakeTrainer(), [_FakeEngine(hangs_on="load_weight_buffer")])
+    ipc.timeout_s = 0.05
+    with pytest.raises(WeightSyncError, match="CUDA IPC: loading gave no answer"):
+        asyncio.run(ipc.sync(1))
+
+
+def test_ipc_sync_skips_a_dead_worker_like_the_object_store_path() -> None:
+    engines = [_FakeEngine(), _FakeEngine(dies_on="load_weight_buffer")]
+    pool = GenerationPool(engines)
+    sync = CudaIpcWeightSync(_FakeTrainer(), pool)
+    asyncio.run(sync.sync(1))
+    assert pool.live_indices == (0,)
+    asyncio.run(sync.sync(2))
+    assert engines[0].calls.count("attach_weight_buffer") == 1
+    assert engines[0].calls.count("load_weight_buffer") == 2
