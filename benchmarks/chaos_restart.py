@@ -8,12 +8,19 @@ finishes. The run journal is replayed into the proof and the figures:
 - ``kills``: kills survived (every one was followed by a restart that resumed);
 - ``groups_lost``: prompts of some epoch never trained (must be 0);
 - ``groups_duplicated``: extra trainings of a group in the final lineage (must be 0);
-- ``groups_regenerated``: groups with a sibling generated more than once, because it
-  committed after the last durable snapshot before a kill (the work a kill costs);
+- ``groups_regenerated`` / ``siblings_regenerated``: committed groups with a sibling generated
+  more than once (journal ``generated`` events). With the commit log on (the default) every
+  committed group is durable before it is trainable, so this must be 0; with
+  ``--no-commit-log`` it is the work a kill costs (groups committed after the last snapshot);
+- ``finished_groups_generated_again`` / ``finished_siblings_generated_again``: siblings that
+  finished (journal ``staged`` events: generated, scored, and — with the log — written to it)
+  in more than one attempt (must be 0 with the log; sibling recovery);
 - ``regenerated_after_restore``: siblings generated again although a restore had brought them
-  back from disk (must be empty).
+  back from disk (must be empty);
+- ``log_replayed_committed``: committed groups that restarts took from the commit log.
 
     python benchmarks/chaos_restart.py [--random 6] [--seed 1] [--num-prompts 64] [--workdir D]
+                                       [--no-commit-log]
 
 Ends with one line ``RESULT {json}``.
 """
@@ -42,10 +49,17 @@ def main() -> int:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument(
+        "--no-commit-log",
+        action="store_true",
+        help="rollout_checkpointing.commit_log=false: the snapshot-only baseline",
+    )
     args = parser.parse_args()
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="tandemrl-chaos-"))
-    shape = RunShape(num_prompts=args.num_prompts, epochs=args.epochs)
+    shape = RunShape(
+        num_prompts=args.num_prompts, epochs=args.epochs, commit_log=not args.no_commit_log
+    )
     points = [*CHOSEN_POINTS, *["random"] * args.random]
     report = run_with_kills(workdir, points, shape=shape, seed=args.seed)
     dump(report, workdir / "chaos_report.json")
@@ -53,6 +67,7 @@ def main() -> int:
     result["kills_survived"] = len(report.kills) if report.final_returncode == 0 else 0
     result["interrupted_writes_left"] = len(leftover_temporaries(workdir / "ckpt"))
     result["workdir"] = str(workdir)
+    result["commit_log"] = shape.commit_log
     ok = (
         report.final_returncode == 0
         and result["groups_lost"] == 0
@@ -62,6 +77,11 @@ def main() -> int:
         and result["steps"] == shape.total_steps
     )
     result["exactly_once"] = ok
+    result["lossless"] = (
+        result["groups_regenerated"] == 0 and result["finished_siblings_generated_again"] == 0
+    )
+    if shape.commit_log:
+        ok = ok and result["lossless"]
     print(f"kills: {[(k.point, k.hit, k.detail) for k in report.kills]}")
     print(f"audit: {json.dumps(report.audit)}")
     print("RESULT " + json.dumps(result))

@@ -47,6 +47,7 @@ from tandemrl.rollout.ledger import (
     group_entry,
     staged_entry,
 )
+from tandemrl.samplers.base import SamplerError
 
 log = logging.getLogger(__name__)
 
@@ -267,7 +268,13 @@ def _apply_cursor(controller: Any, cursor: dict[str, Any], source: str) -> None:
             requeued=requeued[len(requeued) - keep :],
         )
         controller.dataloader.load_state_dict(loader_state)
-        controller.sampler.load_dispatch_state(cursor["dispatch"])
+        dispatch = dict(cursor["dispatch"])
+        restored = controller.sampler.dispatch_state()
+        if "lookahead_versions" in dispatch and "lookahead_versions" in restored:
+            # The lookahead follows the trainer's step (PPO warm-up), which went back to the
+            # bundle's: keep the bundle's, take only the admission count and credits.
+            dispatch["lookahead_versions"] = restored["lookahead_versions"]
+        controller.sampler.load_dispatch_state(dispatch)
         controller.state.dropped_for_step.clear()
         controller.state.dropped_for_step.update(
             {int(step): int(count) for step, count in cursor["dropped_for_step"].items()}
@@ -276,5 +283,5 @@ def _apply_cursor(controller: Any, cursor: dict[str, Any], source: str) -> None:
             controller.replacement_reserve_restore(
                 [PromptItem(**item) for item in cursor["reserve"]]
             )
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, SamplerError) as exc:
         raise CheckpointCorrupt(f"{source}: unusable cursor in the commit log ({exc})") from exc

@@ -66,6 +66,7 @@ class RunShape:
     epochs: int = 2
     prompts_per_step: int = 8
     generations_per_prompt: int = 8
+    commit_log: bool = True
 
     @property
     def total_steps(self) -> int:
@@ -89,6 +90,7 @@ class RunShape:
             "grpo.max_num_steps=1000",
             "checkpointing.save_period=1",
             "rollout_checkpointing.snapshot_attempt_interval_s=0.5",
+            f"rollout_checkpointing.commit_log={str(self.commit_log).lower()}",
             f"checkpointing.checkpoint_dir={workdir / 'ckpt'}",
             f"logger.log_dir={workdir / 'logs'}",
             "logger.progress=false",

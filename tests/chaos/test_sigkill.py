@@ -1,5 +1,7 @@
 """SIGKILL the real tiny CPU run at chosen points, restart it until it finishes, prove from
-the run journal that every prompt of every epoch was trained exactly once.
+the run journal that every prompt of every epoch was trained exactly once and that no finished
+group or sibling was generated twice (the commit log keeps what committed after the newest
+snapshot).
 
 The kill points (see ``chaos_harness``): while a trainer checkpoint is being written, while a
 rollout snapshot is being written, and mid-generation shortly after a step closed. Each
@@ -46,5 +48,9 @@ def test_sigkill_and_restart_trains_every_prompt_exactly_once(tmp_path):
     assert proof["step_sizes"] == [shape.prompts_per_step], proof
     # nothing restored from disk (committed groups, staged siblings) was generated again
     assert proof["regenerated_after_restore"] == [], proof
+    # lossless: no committed group and no finished sibling was generated twice — groups that
+    # committed after the newest snapshot came back from the commit log
+    assert proof["groups_regenerated"] == 0 and proof["siblings_regenerated"] == 0, proof
+    assert proof["finished_siblings_generated_again"] == 0, proof
     # every restart after the first kill resumed from a trainer checkpoint, not from scratch
     assert all(step > 0 for step in proof["resumed_steps"][1:]), proof
