@@ -59,6 +59,15 @@ class GenerationConfig(Strict):
     max_batch_size: int = Field(256, ge=1)
     vllm_cfg: VllmConfig = VllmConfig()
     colocated: ColocatedConfig = ColocatedConfig()
+    # How the trainer's weights reach the generation workers after each step (Ray runs):
+    # "object_store" (a CPU copy through Ray's object store), "cuda_ipc" (workers map the
+    # trainer's GPU buffer; trainer and workers on one GPU), "nccl" (a broadcast from the
+    # trainer; over gloo on CPU), or "auto" (cuda_ipc when they share a GPU, nccl when each
+    # has its own, object_store on CPU). See tandemrl/config/weight_sync.py.
+    weight_sync: Literal["auto", "object_store", "cuda_ipc", "nccl"] = "auto"
+    # Longest wait of one weight sync on any process (cuda_ipc, nccl); a dead or stuck peer
+    # ends the wait with an error naming this key.
+    weight_sync_timeout_s: float = Field(120.0, gt=0.0)
     # Only for backend "fake" (tests and benchmarks): per-request latency model.
     fake_latency: dict[str, Any] | None = None
 
@@ -83,15 +92,6 @@ class OptimizerConfig(Strict):
 class SchedulerConfig(Strict):
     name: Literal["constant", "linear_warmup"] = "constant"
     warmup_steps: int = Field(0, ge=0)
-    # How the trainer's weights reach the generation workers after each step (Ray runs):
-    # "object_store" (a CPU copy through Ray's object store), "cuda_ipc" (workers map the
-    # trainer's GPU buffer; trainer and workers on one GPU), "nccl" (a broadcast from the
-    # trainer; over gloo on CPU), or "auto" (cuda_ipc when they share a GPU, nccl when each
-    # has its own, object_store on CPU). See tandemrl/config/weight_sync.py.
-    weight_sync: Literal["auto", "object_store", "cuda_ipc", "nccl"] = "auto"
-    # Longest wait of one weight sync on any process (cuda_ipc, nccl); a dead or stuck peer
-    # ends the wait with an error naming this key.
-    weight_sync_timeout_s: float = Field(120.0, gt=0.0)
 
 
 class PolicyConfig(Strict):
