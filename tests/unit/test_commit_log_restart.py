@@ -30,8 +30,16 @@ from tandemrl.training.fake import FakeTrainer
 LOG_CFG = ("rollout_checkpointing.snapshot_attempt_interval_s=30",)
 
 
-def build(cfg, seed: int):
-    engine = FakeGenerationBackend(latency=LatencyModel("uniform", low=0.0, high=0.004), seed=seed)
+# Groups whose every generation fails (dropped after their retries), for the drop tests.
+FAILING = frozenset()
+
+
+def build(cfg, seed: int, failing: frozenset[str] = FAILING):
+    engine = FakeGenerationBackend(
+        latency=LatencyModel("uniform", low=0.0, high=0.004),
+        seed=seed,
+        fail_request_ids={f"{group}/" for group in failing},
+    )
     return build_fake_controller(
         cfg,
         trainer=FakeTrainer(train_seconds_per_step=0.002),
@@ -40,10 +48,12 @@ def build(cfg, seed: int):
     )
 
 
-async def attempt(cfg, *, kill_after_s: float | None, seed: int, kill_when=None) -> bool:
+async def attempt(
+    cfg, *, kill_after_s: float | None, seed: int, kill_when=None, failing=FAILING
+) -> bool:
     """One attempt; at ``kill_after_s`` (or once ``kill_when(controller)``) it dies like a
     SIGKILL would leave it on disk."""
-    controller = build(cfg, seed)
+    controller = build(cfg, seed, failing)
     await resume(controller, plan_restore(cfg))
     task = asyncio.create_task(controller.run())
     if kill_when is None:
@@ -64,7 +74,7 @@ async def attempt(cfg, *, kill_after_s: float | None, seed: int, kill_when=None)
     return False
 
 
-def run_killed(cfg, seed: int, kills: int = 4) -> None:
+def run_killed(cfg, seed: int, kills: int = 4, failing=FAILING) -> None:
     """Kill each attempt after 1-3 of its steps and once 0-3 groups of the next are ready."""
     rng = random.Random(seed)
     for index in range(kills):
@@ -73,9 +83,11 @@ def run_killed(cfg, seed: int, kills: int = 4) -> None:
         def kill_when(controller, steps=steps, ready=ready) -> bool:
             return len(controller.history) >= steps and controller.buffer.num_ready >= ready
 
-        finished = asyncio.run(attempt(cfg, kill_after_s=None, seed=index, kill_when=kill_when))
+        finished = asyncio.run(
+            attempt(cfg, kill_after_s=None, seed=index, kill_when=kill_when, failing=failing)
+        )
         assert not finished, "the run finished before its kill"
-    assert asyncio.run(attempt(cfg, kill_after_s=60, seed=kills))
+    assert asyncio.run(attempt(cfg, kill_after_s=60, seed=kills, failing=failing))
 
 
 def proof(checkpoint_dir: Path) -> dict:
@@ -122,6 +134,34 @@ def test_killed_runs_lose_nothing_and_generate_nothing_twice(tmp_path, overrides
         assert result["finished_again"] == [], result
     # the log, not a snapshot, brought committed groups back
     assert result["replayed_committed"] > 0, result
+
+
+@pytest.mark.parametrize("policy", ["shrink", "replace"])
+def test_dropped_prompts_stay_dropped_and_replacements_are_not_drawn_twice(tmp_path, policy):
+    failing = frozenset({"e0-i5", "e0-i13", "e0-i22", "e1-i3", "e1-i17", "e1-i30"})
+
+    def cfg_in(directory: Path):
+        return make_cfg(
+            directory,
+            *LOG_CFG,
+            "async_rl.rollout_failure.max_infra_retries=0",
+            "async_rl.rollout_failure.max_skipped_prompts=20",
+            "async_rl.rollout_failure.max_consecutive_dropped_prompts=20",
+            f"async_rl.rollout_failure.on_dropped_prompt={policy}",
+            "async_rl.rollout_failure.replacement_reserve_size=2",
+        )
+
+    # The same run without kills: what it trains is the reference (replace may end the run
+    # with spare prompts it cannot complete a step with).
+    run_killed(cfg_in(tmp_path / "reference"), seed=5, kills=0, failing=failing)
+    reference = proof(tmp_path / "reference")
+    assert failing <= set(reference["lost"]), reference
+    run_killed(cfg_in(tmp_path / "ckpt"), seed=5, failing=failing)
+    result = proof(tmp_path / "ckpt")
+    assert result["duplicated"] == 0 and result["continuous"], result
+    assert result["lost"] == reference["lost"], (result, reference)
+    assert result["groups_generated_again"] == [], result
+    assert result["finished_again"] == [], result
 
 
 def test_without_the_log_the_same_kills_regenerate_work(tmp_path):
