@@ -10,7 +10,8 @@ Three measurements on a random-init Qwen2 of a real size (``gpu_common.QWEN2_SIZ
   token) / copy bandwidth; kernels per step counted with ``torch.profiler`` on one eager step.
 - ``engine``: ``TorchGenerationEngine`` end to end (admission prefill, graph replays, host
   bookkeeping): all rows admitted at once, ``steps`` sampled tokens each; tokens/s and ms per
-  decode step (busy time of ``_step`` / steps), static path vs ``cuda_graphs="off"``.
+  decode step (busy time of ``_step`` / steps, with and without the admission prefill), static
+  path (one step in flight or none) vs ``cuda_graphs="off"``.
 
     python benchmarks/gpu_decode.py --size tiny --check-only          # CPU
     python benchmarks/gpu_decode.py --size 0.5b --batches 64 256      # GPU
@@ -87,14 +88,24 @@ def count_kernels(decoder: StaticDecoder, rows: int, length: int) -> dict[str, A
 
 
 def bench_graph(
-    model: Any, rows: int, context: int, steps: int, compile_step: bool, bandwidth: float
+    model: Any,
+    rows: int,
+    context: int,
+    steps: int,
+    compile_step: bool,
+    attention: str,
+    bandwidth: float,
 ) -> dict[str, Any]:
     max_len = context + steps + 8
     decoder = StaticDecoder(
-        model, slots=rows, max_len=max_len, use_graphs=True, compile_step=compile_step
+        model,
+        slots=rows,
+        max_len=max_len,
+        use_graphs=True,
+        compile_step=compile_step,
+        attention=attention,
     )
-    decoder.keys.normal_()
-    decoder.values.normal_()
+    decoder.cache.normal_()
     busy = list(range(rows))
     vocab = model.config.vocab_size
     decoder.set_rows(
@@ -130,6 +141,7 @@ def bench_graph(
     result = {
         "rows": rows,
         "compile": compile_step,
+        "attention": attention,
         "context": mean_context,
         "attended_length": length,
         "step_ms": step_s * 1e3,
@@ -146,7 +158,7 @@ def bench_graph(
 
 
 async def bench_engine(
-    folder: Path, rows: int, prompt_len: int, steps: int, cuda_graphs: str, compile_step: bool
+    folder: Path, rows: int, prompt_len: int, steps: int, cuda_graphs: str, pipeline: bool
 ) -> dict[str, Any]:
     engine = TorchGenerationEngine(
         folder,
@@ -154,8 +166,8 @@ async def bench_engine(
         max_batch_size=rows,
         eos_token_ids=[EOS_TOKEN_ID],
         cuda_graphs=cuda_graphs,
-        compile_step=compile_step,
         max_seq_len=prompt_len + steps + 64,
+        pipeline_steps=pipeline,
     )
     step = engine._step
     busy = [0.0]
@@ -168,6 +180,19 @@ async def bench_engine(
             busy[0] += time.perf_counter() - started
 
     engine._step = timed_step  # type: ignore[method-assign]
+    prefill_s = [0.0]
+    if engine.static_decode:
+        decoder = engine._ensure_decoder()
+        prefill = decoder.prefill
+
+        def timed_prefill(*args: Any) -> None:
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            prefill(*args)
+            torch.cuda.synchronize()
+            prefill_s[0] += time.perf_counter() - started
+
+        decoder.prefill = timed_prefill  # type: ignore[method-assign]
     generator = torch.Generator().manual_seed(rows)
     vocab = engine.vocab_size
 
@@ -188,7 +213,7 @@ async def bench_engine(
     warm_started = time.perf_counter()
     await engine.generate(requests("w", rows, steps))  # compiles and captures what the run uses
     warm_s = time.perf_counter() - warm_started
-    busy[0], steps_before = 0.0, engine.stats.decode_steps
+    busy[0], prefill_s[0], steps_before = 0.0, 0.0, engine.stats.decode_steps
     started = time.perf_counter()
     results = await engine.generate(requests("r", rows, steps))
     elapsed = time.perf_counter() - started
@@ -198,9 +223,11 @@ async def bench_engine(
         "rows": rows,
         "cuda_graphs": cuda_graphs,
         "static": engine.static_decode,
-        "compile": compile_step,
+        "pipeline": pipeline,
         "tok_s": tokens / elapsed,
         "ms_per_step": 1e3 * busy[0] / max(decode_steps, 1),
+        "prefill_s": prefill_s[0],
+        "ms_per_step_without_prefill": 1e3 * (busy[0] - prefill_s[0]) / max(decode_steps, 1),
         "wall_ms_per_step": 1e3 * elapsed / max(decode_steps, 1),
         "warmup_s": warm_s,
         "graph_captures": engine.stats.graph_captures,
@@ -217,7 +244,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--steps", type=int, default=128)
     parser.add_argument("--compile", nargs="+", default=["off", "on"], choices=["off", "on"])
+    parser.add_argument("--attention", nargs="+", default=["sdpa", "matmul"])
     parser.add_argument("--engine-modes", nargs="+", default=["auto", "off"])
+    parser.add_argument("--engine-pipeline", nargs="+", default=["on", "off"])
     parser.add_argument("--bandwidth-tbps", type=float, default=4.22)
     parser.add_argument("--check-only", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
@@ -231,7 +260,8 @@ def main() -> None:
     print(f"check: relative error {result['check_rel_err']:.2e}", flush=True)
     if cuda and not args.check_only:
         result["graph"] = []
-        for compile_flag in args.compile:
+        variants = [(c, a) for c in args.compile for a in args.attention]
+        for compile_flag, attention in variants:
             for rows in args.batches:
                 try:
                     row = bench_graph(
@@ -240,20 +270,26 @@ def main() -> None:
                         args.context,
                         args.steps,
                         compile_flag == "on",
+                        attention,
                         args.bandwidth_tbps,
                     )
                 except Exception as exc:  # report and keep measuring the other variants
                     row = {"rows": rows, "compile": compile_flag, "error": repr(exc)[:2000]}
+                    row["attention"] = attention
                 result["graph"].append(row)
-                print("graph", json.dumps(row), flush=True)
+                summary = {k: v for k, v in row.items() if k != "top"}
+                print("graph", json.dumps(summary), flush=True)
         del model
         torch.cuda.empty_cache()
         result["engine"] = []
-        for mode in args.engine_modes:
+        engine_variants = [(m, p == "on") for m in args.engine_modes for p in args.engine_pipeline]
+        for mode, pipeline in engine_variants:
+            if mode == "off" and not pipeline:
+                continue  # the dynamic path has no pipeline
             for rows in args.batches:
                 try:
                     row = asyncio.run(
-                        bench_engine(folder, rows, args.context, args.steps, mode, True)
+                        bench_engine(folder, rows, args.context, args.steps, mode, pipeline)
                     )
                 except Exception as exc:
                     row = {"rows": rows, "cuda_graphs": mode, "error": repr(exc)[:2000]}

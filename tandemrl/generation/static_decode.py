@@ -1,6 +1,6 @@
 """Static-cache decode for Qwen2/Llama-family models: fixed row slots, one step per graph replay.
 
-What it owns: a KV cache of shape ``[layers, slots, kv_heads, max_len, head_dim]`` (keys and
+What it owns: a KV cache of shape ``[layers, 2, slots, kv_heads, max_len, head_dim]`` (keys and
 values), the per-slot decode state (the token to feed, its position, sampling parameters) and a
 hand-written decode step over the transformers model's own parameters, captured as CUDA graphs.
 The torch engine (``torch_engine.py``) owns the requests; it maps each running sequence to a
@@ -41,6 +41,9 @@ MIN_ROWS_BUCKET = 8
 MIN_LENGTH_BUCKET = 64
 # Vocabulary block of the two-level inverse-CDF sampler (see StaticDecoder._sample_tokens).
 SAMPLE_BLOCK = 128
+# Decode attention: "sdpa" (torch's fused attention with a mask) or "matmul" (two batched
+# products around a float32 softmax).
+ATTENTION_KERNELS = ("sdpa", "matmul")
 
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
@@ -160,6 +163,15 @@ def bucket(value: int, minimum: int, cap: int) -> int:
     return min(size, cap)
 
 
+@dataclass
+class LaunchedStep:
+    """A decode step queued on the device (``StaticDecoder.launch``)."""
+
+    slots: list[int]
+    results: torch.Tensor  # host [2, rows]: tokens, logprobs (valid once ``done`` completes)
+    done: torch.cuda.Event | None  # None on CPU, where the step ran synchronously
+
+
 class StaticDecoder:
     """Slots, their KV cache and the decode step of one model (see the module docstring).
 
@@ -176,7 +188,10 @@ class StaticDecoder:
         max_len: int,
         use_graphs: bool,
         compile_step: bool,
+        attention: str = "sdpa",
     ) -> None:
+        if attention not in ATTENTION_KERNELS:
+            raise ValueError(f"static decode: attention {attention!r} not in {ATTENTION_KERNELS}")
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"static decode does not support this model: {reason}")
@@ -202,8 +217,9 @@ class StaticDecoder:
         self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
         self.slots, self.max_len = slots, max_len
         self.use_graphs, self.compile_step = use_graphs, compile_step
+        self.attention = attention
 
-        self.keys = self.values = torch.empty(0)
+        self.cache = self.keys = self.values = torch.empty(0)
         self.allocate()
         on = {"device": self.device}
         self.tokens = torch.zeros(slots, dtype=torch.long, **on)
@@ -214,8 +230,19 @@ class StaticDecoder:
         self.uniforms = torch.full((slots,), 0.5, dtype=torch.float32, **on)
         # Row 0: sampled token, row 1: its logprob (float64 holds every token id exactly).
         self.out = torch.zeros(2, slots, dtype=torch.float64, **on)
+        # Host side of each launch (uniforms in, tokens and logprobs out), pinned on CUDA.
+        pinned = self.device.type == "cuda"
+        self._uniform_staging = [
+            torch.zeros(slots, dtype=torch.float32, pin_memory=pinned) for _ in range(2)
+        ]
+        self._result_staging = [
+            torch.zeros(2, slots, dtype=torch.float64, pin_memory=pinned) for _ in range(2)
+        ]
+        self._launches = 0
         self.cache_positions = torch.arange(max_len, **on)
-        self.row_index = torch.arange(slots, **on)
+        # Offsets of (keys|values, slot, kv head) rows in one layer's flattened cache.
+        kv_rows = torch.arange(2 * slots * self.kv_heads, **on).view(2, slots, self.kv_heads)
+        self.kv_row_offsets = kv_rows * max_len
         self.no_delta = torch.zeros(slots, config.hidden_size, dtype=self.dtype, **on)
 
         self._attention_in: Callable[..., Any] = self._attention_in_eager
@@ -233,16 +260,17 @@ class StaticDecoder:
 
     @property
     def allocated(self) -> bool:
-        return self.keys.numel() > 0
+        return self.cache.numel() > 0
 
     def allocate(self) -> None:
         """(Re)create the KV cache; every slot's keys/values start at zero."""
         if self.allocated:
             return
-        shape = (len(self.layers), self.slots, self.kv_heads, self.max_len, self.head_dim)
+        shape = (len(self.layers), 2, self.slots, self.kv_heads, self.max_len, self.head_dim)
         # Zeros, not empty: a masked position must never hold a NaN (0 x NaN poisons attention).
-        self.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.values = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        # Keys and values share one tensor, so a step writes both with one copy per layer.
+        self.cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.keys, self.values = self.cache[:, 0], self.cache[:, 1]
         if self.use_graphs:
             self._pool = torch.cuda.graph_pool_handle()
 
@@ -254,11 +282,11 @@ class StaticDecoder:
         """
         self._graphs.clear()
         self._pool = None
-        self.keys = self.values = torch.empty(0)
+        self.cache = self.keys = self.values = torch.empty(0)
 
     @property
     def cache_bytes(self) -> int:
-        return 2 * self.keys.numel() * self.keys.element_size()
+        return self.cache.numel() * self.cache.element_size()
 
     @property
     def graph_count(self) -> int:
@@ -312,14 +340,30 @@ class StaticDecoder:
         self, slots: Sequence[int], uniforms: Sequence[float], max_position: int, top_p: bool
     ) -> tuple[list[int], list[float]]:
         """One decode step; the sampled token and its logprob for each of ``slots``."""
+        return self.collect(self.launch(slots, uniforms, max_position, top_p))
+
+    @torch.inference_mode()
+    def launch(
+        self, slots: Sequence[int], uniforms: Sequence[float], max_position: int, top_p: bool
+    ) -> LaunchedStep:
+        """Queue one decode step on the device and return without waiting for it.
+
+        ``uniforms[i]`` is slot ``slots[i]``'s draw; ``max_position`` the largest position fed.
+        The step's outputs are copied to pinned host memory behind it; ``collect`` waits.
+        Steps queue in order, so state written after a launch (``prefill``, ``set_rows``,
+        weight copies) takes effect from the next launch on.
+        """
         if not self.allocated:
             raise RuntimeError("static decode: step after release() without allocate()")
         rows = bucket(max(slots) + 1, MIN_ROWS_BUCKET, self.slots)
         length = bucket(max_position + 1, MIN_LENGTH_BUCKET, self.max_len)
-        drawn = [0.5] * rows
-        for slot, uniform in zip(slots, uniforms, strict=True):
-            drawn[slot] = uniform
-        self.uniforms[:rows].copy_(torch.tensor(drawn, dtype=torch.float32), non_blocking=True)
+        # Two host buffers, alternating: a launch never overwrites what the one before it
+        # still has to read (the engine keeps at most one step in flight).
+        self._launches += 1
+        drawn = self._uniform_staging[self._launches % 2]
+        drawn[:rows] = 0.5
+        drawn[list(slots)] = torch.tensor(list(uniforms), dtype=torch.float32)
+        self.uniforms[:rows].copy_(drawn[:rows], non_blocking=True)
         key = (rows, length, top_p)
         if self.use_graphs:
             graph = self._graphs.get(key)
@@ -328,9 +372,23 @@ class StaticDecoder:
             graph.replay()
         else:
             self._decode(*key)
-        out = self.out[:, :rows].cpu()
-        tokens, logprobs = out[0].long().tolist(), out[1].tolist()
-        return [tokens[slot] for slot in slots], [logprobs[slot] for slot in slots]
+        results = self._result_staging[self._launches % 2][:, :rows]
+        results.copy_(self.out[:, :rows], non_blocking=True)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return LaunchedStep(list(slots), results, done)
+
+    @staticmethod
+    def collect(launched: LaunchedStep) -> tuple[list[int], list[float]]:
+        """Wait for a launched step; its tokens and logprobs in the order of its slots."""
+        if launched.done is not None:
+            launched.done.synchronize()
+        tokens, logprobs = launched.results[0].long().tolist(), launched.results[1].tolist()
+        return [tokens[slot] for slot in launched.slots], [
+            logprobs[slot] for slot in launched.slots
+        ]
 
     # ------------------------------------------------------------------ the step
 
@@ -389,13 +447,14 @@ class StaticDecoder:
         sin = (angles.sin() * self.rope_scaling).to(self.dtype)[:, None, :]
         visible = self.cache_positions[None, :length] <= positions[:, None]  # [rows, length]
         delta = self.no_delta[:rows]
-        row_index = self.row_index[:rows]
+        # Row of each new key/value in a layer's cache viewed as [2 * slots * kv_heads *
+        # max_len, head_dim], in the order of new_kv below ([2, rows, kv_heads]).
+        write_rows = (self.kv_row_offsets[:, :rows] + positions[None, :, None]).reshape(-1)
         for index, weights in enumerate(self.layers):
-            hidden, q, k, v = self._attention_in(
+            hidden, q, new_kv = self._attention_in(
                 hidden, delta, weights.input_norm, weights.qkv_weight, weights.qkv_bias, cos, sin
             )
-            self.keys[index, row_index, :, positions] = k
-            self.values[index, row_index, :, positions] = v
+            self.cache[index].view(-1, self.head_dim).index_copy_(0, write_rows, new_kv)
             hidden, delta = self._attention_out_mlp(
                 hidden,
                 q,
@@ -430,7 +489,8 @@ class StaticDecoder:
         qkv_bias: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Residual add, norm, QKV, rotary; new keys/values as [2 * rows * kv_heads, dim]."""
         rows = hidden.shape[0]
         hidden = hidden + delta
         qkv = F.linear(self._rms_norm(hidden, norm), qkv_weight, qkv_bias)
@@ -438,7 +498,8 @@ class StaticDecoder:
         q = qkv[:, :q_size].reshape(rows, self.heads, self.head_dim)
         k = qkv[:, q_size : q_size + kv_size].reshape(rows, self.kv_heads, self.head_dim)
         v = qkv[:, q_size + kv_size :].reshape(rows, self.kv_heads, self.head_dim)
-        return hidden, self._rope(q, cos, sin), self._rope(k, cos, sin), v
+        new_kv = torch.stack([self._rope(k, cos, sin), v]).reshape(-1, self.head_dim)
+        return hidden, self._rope(q, cos, sin), new_kv
 
     def _attention_out_mlp_eager(
         self,
@@ -456,10 +517,16 @@ class StaticDecoder:
         rows = hidden.shape[0]
         # The query heads that share a KV head are that head's "query positions": no repeat.
         grouped = q.reshape(rows, self.kv_heads, self.group, self.head_dim)
-        scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * self.scale
-        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-        weights = torch.softmax(scores, dim=-1).to(values.dtype)
-        attended = torch.matmul(weights, values).reshape(rows, self.heads * self.head_dim)
+        if self.attention == "sdpa":  # one fused kernel on CUDA
+            attended = F.scaled_dot_product_attention(
+                grouped, keys, values, attn_mask=visible[:, None, None, :], scale=self.scale
+            )
+        else:
+            scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * self.scale
+            scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+            weights = torch.softmax(scores, dim=-1).to(values.dtype)
+            attended = torch.matmul(weights, values)
+        attended = attended.reshape(rows, self.heads * self.head_dim)
         hidden = hidden + F.linear(attended, o_weight, o_bias)
         gate, up = F.linear(self._rms_norm(hidden, post_norm), gate_up_weight).chunk(2, dim=-1)
         return hidden, F.linear(F.silu(gate) * up, down_weight)

@@ -78,6 +78,7 @@ from transformers import DynamicCache
 
 from tandemrl.generation.base import GenerationBackend, GenerationError
 from tandemrl.generation.static_decode import (
+    LaunchedStep,
     StaticDecoder,
     fuse_projections,
     kv_bytes_per_token,
@@ -122,6 +123,7 @@ class _Sequence:
     token_weight_versions: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     slot: int = -1  # static path: the row slot this sequence decodes in
+    launched: int = 0  # static path: decode steps launched for it (one may be in flight)
 
     @property
     def all_tokens(self) -> list[int]:
@@ -162,6 +164,7 @@ class TorchGenerationEngine(GenerationBackend):
         compile_step: bool = True,
         max_seq_len: int | None = None,
         kv_cache_memory_fraction: float = 0.5,
+        pipeline_steps: bool = True,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -223,6 +226,10 @@ class TorchGenerationEngine(GenerationBackend):
         # Static path: the decoder (cache + graphs) is built at the first step and dropped by
         # sleep; the slot count is fixed here, from the memory free now.
         self._decoder: StaticDecoder | None = None
+        # The launched, uncollected step: (handle, its rows, the weight version it used).
+        self._in_flight: tuple[LaunchedStep, list[_Sequence], int] | None = None
+        # Launch step n+1 before recording step n (the host works while the device runs).
+        self.pipeline_steps = pipeline_steps
         self._use_graphs = self.static_decode and self.device.type == "cuda"
         self._compile_step = self._use_graphs and compile_step
         self.slots = self._plan_slots(kv_cache_memory_fraction) if self.static_decode else 0
@@ -282,6 +289,8 @@ class TorchGenerationEngine(GenerationBackend):
                 return
             self._asleep_since = time.monotonic()
             self._awake.clear()
+            # The static path's step in flight finishes first (its rows may end with it).
+            finished = await self._in_executor(self._drain) if self._in_flight else []
             if self.device.type == "cuda":
                 # Free the KV cache; the first step after wake recomputes it.
                 if self._decoder is not None:
@@ -290,6 +299,8 @@ class TorchGenerationEngine(GenerationBackend):
                 self._mask = None
                 self._needs_kv_rebuild = bool(self._running)
                 await self._in_executor(torch.cuda.empty_cache)
+        for seq in finished:
+            _resolve(seq)
 
     async def wake(self) -> None:
         if self._asleep_since is None:
@@ -461,6 +472,20 @@ class TorchGenerationEngine(GenerationBackend):
         token_ids, logprobs = self._sample(output.logits[:, -1, :], self._running)
         return self._record(token_ids, logprobs)
 
+    def _append(self, seq: _Sequence, token: int, logprob: float, version: int) -> bool:
+        """Add one sampled token to ``seq``; True when that finishes it."""
+        seq.token_ids.append(token)
+        seq.logprobs.append(logprob)
+        seq.token_weight_versions.append(version)
+        if token in seq.stop_token_ids:
+            seq.finish_reason = "stop"
+        elif len(seq.token_ids) >= seq.request.max_new_tokens or (
+            self.length_limit is not None
+            and len(seq.request.prompt_token_ids) + len(seq.token_ids) >= self.length_limit
+        ):
+            seq.finish_reason = "length"
+        return seq.finish_reason is not None
+
     def _record(self, token_ids: list[int], logprobs: list[float]) -> list[_Sequence]:
         """Append each running row's new token; retire the rows that finished."""
         rows = len(self._running)
@@ -468,21 +493,10 @@ class TorchGenerationEngine(GenerationBackend):
         keep: list[int] = []
         finished: list[_Sequence] = []
         for row, seq in enumerate(self._running):
-            token = token_ids[row]
-            seq.token_ids.append(token)
-            seq.logprobs.append(logprobs[row])
-            seq.token_weight_versions.append(version)
-            if token in seq.stop_token_ids:
-                seq.finish_reason = "stop"
-            elif len(seq.token_ids) >= seq.request.max_new_tokens or (
-                self.length_limit is not None
-                and len(seq.request.prompt_token_ids) + len(seq.token_ids) >= self.length_limit
-            ):
-                seq.finish_reason = "length"
-            if seq.finish_reason is None:
-                keep.append(row)
-            else:
+            if self._append(seq, token_ids[row], logprobs[row], version):
                 finished.append(seq)
+            else:
+                keep.append(row)
         self.stats.decode_steps += 1
         self.stats.tokens_generated += rows
         self.stats.max_running_batch = max(self.stats.max_running_batch, rows)
@@ -491,8 +505,18 @@ class TorchGenerationEngine(GenerationBackend):
         return finished
 
     def _static_step(self, admit: list[_Sequence]) -> list[_Sequence]:
+        """Launch the next step, then collect the one before it (one step in flight).
+
+        While the device runs step n+1 the host records step n's tokens. A row that step n
+        finishes was already fed to step n+1; that result is dropped (its slot is free only
+        from the next launch on, and launches run in order). Tokens carry the weight version
+        of the launch that sampled them.
+        """
         decoder = self._ensure_decoder()
+        finished: list[_Sequence] = []
         if self._needs_kv_rebuild:
+            # Re-prefilling needs every sampled token: collect the step in flight first.
+            finished += self._collect_in_flight()
             self._needs_kv_rebuild = False
             if self._running:
                 self._load_slots(decoder, self._running)
@@ -502,21 +526,58 @@ class TorchGenerationEngine(GenerationBackend):
                 self.stats.joined_running_batch += len(admit)
             for seq in admit:
                 seq.slot = heapq.heappop(self._free_slots)
+                seq.launched = 0
             self._running.extend(admit)
             self._load_slots(decoder, admit)
-        running = self._running
+        running = list(self._running)
         graphs_before = decoder.graph_count
-        token_ids, logprobs = decoder.step(
+        launched = decoder.launch(
             [seq.slot for seq in running],
             [(seq.rng or self._rng).random() for seq in running],
-            max_position=max(
-                len(seq.request.prompt_token_ids) + len(seq.token_ids) for seq in running
-            )
+            max_position=max(len(seq.request.prompt_token_ids) + seq.launched for seq in running)
             - 1,
             top_p=any(seq.request.top_p < 1.0 for seq in running),
         )
+        for seq in running:
+            seq.launched += 1
         self.stats.graph_captures += decoder.graph_count - graphs_before
-        return self._record(token_ids, logprobs)
+        finished += self._collect_in_flight()
+        self._in_flight = (launched, running, self._version)
+        if not self.pipeline_steps:
+            finished += self._collect_in_flight()
+        return finished
+
+    def _collect_in_flight(self) -> list[_Sequence]:
+        """Record the tokens of the step in flight (if any) for the rows still running."""
+        if self._in_flight is None:
+            return []
+        launched, sequences, version = self._in_flight
+        self._in_flight = None
+        assert self._decoder is not None
+        token_ids, logprobs = self._decoder.collect(launched)
+        rows = [
+            (seq, token, logprob)
+            for seq, token, logprob in zip(sequences, token_ids, logprobs, strict=True)
+            if seq.finish_reason is None and seq.slot >= 0  # not finished, not aborted
+        ]
+        if not rows:
+            return []
+        finished = []
+        for seq, token, logprob in rows:
+            if self._append(seq, token, logprob, version):
+                finished.append(seq)
+        self.stats.decode_steps += 1
+        self.stats.tokens_generated += len(rows)
+        self.stats.max_running_batch = max(self.stats.max_running_batch, len(rows))
+        if finished:
+            done = {id(seq) for seq in finished}
+            self._select_rows([row for row, seq in enumerate(self._running) if id(seq) not in done])
+        return finished
+
+    def _drain(self) -> list[_Sequence]:
+        """Collect the step in flight, so that nothing on the device still reads the cache."""
+        with torch.inference_mode():
+            return self._collect_in_flight()
 
     def _ensure_decoder(self) -> StaticDecoder:
         if self._decoder is None:
@@ -682,6 +743,7 @@ class TorchGenerationEngine(GenerationBackend):
     def _reset_batch(self) -> None:
         self._running = []
         # A failed step may leave the static cache half-written: start from a fresh one.
+        self._in_flight = None
         if self._decoder is not None:
             self._decoder.release()
         self._free_slots = list(range(self.slots))

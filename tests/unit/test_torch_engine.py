@@ -66,13 +66,20 @@ def new_model(model_path: Path, new_weights: dict[str, torch.Tensor]) -> PreTrai
 
 
 # Every engine test runs on both decode paths: the dynamic batch ("off") and the static slot
-# table of static_decode ("on": on CPU the same step as the CUDA graphs, run eagerly).
-DECODE_PATH = {"cuda_graphs": "off"}
+# table of static_decode ("on": on CPU the same step as the CUDA graphs, run eagerly), the
+# latter with and without one step in flight while the host records the previous one.
+DECODE_PATHS = {
+    "off": {"cuda_graphs": "off"},
+    "static": {"cuda_graphs": "on"},
+    "static-unpipelined": {"cuda_graphs": "on", "pipeline_steps": False},
+}
+DECODE_PATH: dict[str, object] = {}
 
 
-@pytest.fixture(params=["off", "on"], autouse=True)
+@pytest.fixture(params=sorted(DECODE_PATHS), autouse=True)
 def decode_path(request: pytest.FixtureRequest) -> str:
-    DECODE_PATH["cuda_graphs"] = request.param
+    DECODE_PATH.clear()
+    DECODE_PATH.update(DECODE_PATHS[request.param])
     return request.param
 
 
