@@ -5,9 +5,11 @@ seconds it took; how weights travel is the synchroniser's business, so CUDA IPC 
 transports plug in here without touching the pumps.
 
 - ``DirectWeightSync``: trainer and engines are in-process objects (tests, fakes).
-- ``RayObjectStoreWeightSync``: the trainer actor exports a CPU state dict into Ray's object
-  store once; each generation actor receives the same object reference and Ray resolves it in
-  the worker, so weights never pass through the controller process.
+- ``RayObjectStoreWeightSync``: the trainer actor exports its weights into Ray's object
+  store once, packed in one flat buffer (``tandemrl.weight_payload.FlatWeights``: one
+  out-of-band copy instead of one pickled storage per tensor); each generation actor receives
+  the same object reference and Ray resolves it in the worker, so weights never pass through
+  the controller process.
 """
 
 from __future__ import annotations
@@ -43,6 +45,6 @@ class RayObjectStoreWeightSync:
     async def sync(self, version: int) -> float:
         started = time.perf_counter()
         # The reference is passed on as a top-level argument: Ray resolves it in each worker.
-        weights_ref = self.trainer_handle.export_weights.remote()
+        weights_ref = self.trainer_handle.export_weights_flat.remote()
         await self.pool.update_weights(version, weights_ref)
         return time.perf_counter() - started

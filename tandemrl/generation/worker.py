@@ -36,6 +36,7 @@ import torch
 from tandemrl.controller.weight_sync_cuda import WeightReceiverHost
 from tandemrl.generation.torch_engine import TorchGenerationEngine
 from tandemrl.records import GenerationRequest, GenerationResult
+from tandemrl.weight_payload import FlatWeights
 
 # Concurrent calls one actor accepts: every in-flight generate call holds one slot.
 DEFAULT_MAX_CONCURRENCY = 1000
@@ -79,6 +80,8 @@ class GenerationWorker(WeightReceiverHost):
 
         if isinstance(weights, ray.ObjectRef):
             weights = await weights
+        if isinstance(weights, FlatWeights):  # RayObjectStoreWeightSync's packed payload
+            weights = weights.to_state_dict()
         await self.engine.update_weights(version, weights)
 
     async def weight_version(self) -> int:

@@ -87,6 +87,7 @@ from tandemrl.training.worker_common import (
     scale_gradients,
     write_worker_state,
 )
+from tandemrl.weight_payload import FlatWeights
 
 # Files of a model folder that belong to the tokenizer (copied into every checkpoint so that a
 # checkpoint folder is itself loadable with from_pretrained).
@@ -533,6 +534,10 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
     async def export_weights(self) -> dict[str, torch.Tensor]:
         """CPU float32 state dict (contiguous copies, every key incl. tied lm_head.weight)."""
         return await self._executor.run(self._export_weights)
+
+    async def export_weights_flat(self) -> FlatWeights:
+        """The same weights packed in one float32 buffer (for Ray's object store)."""
+        return await self._executor.run(lambda: FlatWeights.pack(self.model.state_dict()))
 
     async def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         await self._executor.run(self._load_weights, state_dict)
