@@ -509,3 +509,28 @@ def test_placement_gives_the_critic_half_the_trainer_share() -> None:
         load_config("examples/configs/grpo_tiny_cpu.yaml"), cluster_cpus=2, cluster_gpus=0
     )
     assert (grpo.trainer_cpus, grpo.value_cpus) == (1.0, 0.0)
+
+
+def test_reuse_training_logprobs_skips_get_logprobs_with_one_epoch_only() -> None:
+    events: list[str] = []
+    policy = CountingPolicy(events)
+    runner = make_step_runner(
+        make_cfg("loss_fn.reuse_training_logprobs=true"),
+        policy,
+        pad_token_id=0,
+        value_trainer=CountingCritic(events),
+    )
+    slots, rows = fake_slots_and_rows(4, 2)
+
+    async def step():
+        await runner.begin(version=0)
+        await runner.train_chunk(slots, rows, step_num_sequences=8)
+        await runner.finish()
+
+    asyncio.run(step())
+    assert "policy.get_logprobs" not in events and "critic.get_values" in events
+    assert "prev_logprobs" not in policy.steps[0].chunks[0]  # the training forward supplies it
+    settings = PPOSettings.from_config(make_cfg("loss_fn.reuse_training_logprobs=true"))
+    settings = PPOSettings(**{**settings.__dict__, "ppo_epochs": 2})
+    with pytest.raises(ValueError, match=r"loss_fn\.reuse_training_logprobs"):
+        PPOStepRunner(CountingPolicy([]), CountingCritic([]), settings=settings, pad_token_id=0)
