@@ -492,6 +492,3 @@ def needed_from_lsn(bundle_lsns: Iterable[int | None]) -> int | None:
     """The oldest LSN a selectable bundle replays from (None: no bundle uses the log)."""
     values = [lsn for lsn in bundle_lsns if lsn is not None]
     return min(values) if values else None
-
-
-CursorFn = Callable[[], dict[str, Any]]

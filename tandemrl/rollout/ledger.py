@@ -23,7 +23,7 @@ from tandemrl.config.models import Granularity, RolloutRecoveryConfig
 from tandemrl.records import EnvResult, GenerationResult, PromptItem
 
 
-@dataclass
+@dataclass(slots=True)
 class StagedSibling:
     result: GenerationResult
     env_result: EnvResult
@@ -53,10 +53,10 @@ def resolve_granularity(item: PromptItem, cfg: RolloutRecoveryConfig) -> Granula
 
 
 def staged_entry(sibling: StagedSibling) -> dict[str, Any]:
-    return {
-        "result": dataclasses.asdict(sibling.result),
-        "env_result": dataclasses.asdict(sibling.env_result),
-    }
+    # Shallow copies of the two flat records (``dataclasses.asdict`` deep-copies every token
+    # list: the commit log calls this for every sibling it writes). Nobody mutates a staged
+    # result, so sharing its lists until they are serialized is safe.
+    return {"result": dict(vars(sibling.result)), "env_result": dict(vars(sibling.env_result))}
 
 
 def group_entry(group: UnfinishedGroup, *, with_staged: bool) -> dict[str, Any]:
