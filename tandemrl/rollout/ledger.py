@@ -52,11 +52,19 @@ def resolve_granularity(item: PromptItem, cfg: RolloutRecoveryConfig) -> Granula
     return cfg.default_granularity
 
 
+_RESULT_FIELDS = tuple(f.name for f in dataclasses.fields(GenerationResult))
+_ENV_RESULT_FIELDS = tuple(f.name for f in dataclasses.fields(EnvResult))
+
+
 def staged_entry(sibling: StagedSibling) -> dict[str, Any]:
     # Shallow copies of the two flat records (``dataclasses.asdict`` deep-copies every token
     # list: the commit log calls this for every sibling it writes). Nobody mutates a staged
     # result, so sharing its lists until they are serialized is safe.
-    return {"result": dict(vars(sibling.result)), "env_result": dict(vars(sibling.env_result))}
+    result, env_result = sibling.result, sibling.env_result
+    return {
+        "result": {name: getattr(result, name) for name in _RESULT_FIELDS},
+        "env_result": {name: getattr(env_result, name) for name in _ENV_RESULT_FIELDS},
+    }
 
 
 def group_entry(group: UnfinishedGroup, *, with_staged: bool) -> dict[str, Any]:
