@@ -6,7 +6,8 @@ prints throughput (steps/s and trained tokens/s, from the steady-state step time
 reward reached at equal steps. Goal: async >= 1.6x sync throughput when generation and
 training take about the same time, with learning curves equal within noise.
 
-    python benchmarks/async_vs_sync.py [--steps 200] [--generation-batch 32]
+    python benchmarks/async_vs_sync.py [--steps 200] [--generation-batch 32] [--seed 42]
+        [--modes sync async streaming] [--no-reuse-logprobs]
 
 Every mode runs with ``loss_fn.reuse_training_logprobs=true`` (the trainer's ``prev_logprobs``
 come from the training forward, one forward pass per step fewer) unless
@@ -26,6 +27,7 @@ import os
 import statistics
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from tandemrl.config.loader import load_config
 from tandemrl.controller.run import run_training
@@ -67,7 +69,7 @@ def run_mode(
     return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def summarize(rows: list[dict]) -> dict[str, float]:
+def summarize(rows: list[dict]) -> dict[str, Any]:
     steady = rows[WARMUP_STEPS:]
     step_time = statistics.mean(row["step_time_s"] for row in steady)
     tail = rows[-20:]
@@ -78,6 +80,12 @@ def summarize(rows: list[dict]) -> dict[str, float]:
         "train_idle": statistics.mean(row["train_idle_frac"] for row in steady),
         "rollout_idle": statistics.mean(row["rollout_idle_frac"] for row in steady),
         "weight_sync_s": statistics.mean(row["weight_sync_s"] for row in steady),
+        # The learning curve at equal steps: mean reward of each quarter of the run.
+        "reward_quarters": [
+            round(statistics.mean(row["reward_mean"] for row in part), 3)
+            for part in (rows[i * len(rows) // 4 : (i + 1) * len(rows) // 4] for i in range(4))
+            if part
+        ],
     }
 
 
@@ -94,7 +102,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=42, help="grpo.seed of every mode")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     args = parser.parse_args()
-    results: dict[str, dict[str, float]] = {}
+    results: dict[str, dict[str, Any]] = {}
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         for mode in args.modes:
@@ -129,6 +137,7 @@ def main() -> None:
     }
     for mode, r in results.items():
         result[f"reward_{mode}"] = round(r["reward_last20"], 3)
+        result[f"reward_quarters_{mode}"] = r["reward_quarters"]
         result[f"steps_per_s_{mode}"] = round(r["steps_per_s"], 3)
         result[f"weight_sync_s_{mode}"] = round(r["weight_sync_s"], 4)
     if "sync" in results:
