@@ -51,16 +51,21 @@ class RowBlock:
                 f"row block: {count} sample id(s) but {len(self.lengths)} length(s); a block "
                 "holds at least one row and one length per row"
             )
-        if len(set(self.sample_ids)) != count or not all(
-            isinstance(sample_id, str) and sample_id for sample_id in self.sample_ids
-        ):
+        for sample_id in self.sample_ids:
+            if not isinstance(sample_id, str) or not sample_id:
+                raise DataPlaneError(
+                    f"row block: sample ids must be distinct non-empty strings, got "
+                    f"{self.sample_ids}"
+                )
+        if len(set(self.sample_ids)) != count:
             raise DataPlaneError(
                 f"row block: sample ids must be distinct non-empty strings, got {self.sample_ids}"
             )
-        if min(self.lengths) < 1:
+        shortest = min(self.lengths)
+        if shortest < 1:
             raise DataPlaneError(f"row block {self.sample_ids[0]!r}...: a row length is < 1")
         self.width = max(self.lengths)
-        self.uniform = min(self.lengths) == self.width
+        self.uniform = shortest == self.width
         per_row, per_token = (count,), (count, self.width)
         for name, tensor in self.fields.items():
             if not isinstance(name, str) or not name or not isinstance(tensor, torch.Tensor):

@@ -122,8 +122,8 @@ class CountingEnv(Environment):
                 "completion": cleaned,
                 "exact_match": cleaned == target,
                 "truncated": was_truncated,
+                **item_metadata,
             }
-            metadata.update(item_metadata)
             results.append(
                 EnvResult(reward=positional_match_reward(target, cleaned), metadata=metadata)
             )

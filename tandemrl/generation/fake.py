@@ -163,23 +163,26 @@ class FakeGenerationBackend(GenerationBackend):
 
     async def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         if self._instant and self._awake.is_set():
-            # Zero latency: no per-request tasks, so benchmarks measure the controller. The
-            # siblings of a group share their prompt, so its text form is built once.
+            # Zero latency: no per-request tasks, so benchmarks measure the controller.
             for request in requests:
                 self._check_alive(request)
             await asyncio.sleep(0)
-            version = self._version
-            results = []
-            last_prompt: list[int] | None = None
-            prompt_text = ""
-            for request in requests:
-                if request.prompt_token_ids is not last_prompt:
-                    last_prompt = request.prompt_token_ids
-                    prompt_text = str(last_prompt)
-                results.append(self._result(request, version, prompt_text))
-            return results
+            return self._results_now(requests)
         call = self._one_limited if self._slots is not None else self._one
         return list(await asyncio.gather(*(call(r) for r in requests)))
+
+    def _results_now(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        """Results of zero-latency requests; siblings share their prompt's text form."""
+        version = self._version
+        results = []
+        prompt: list[int] | None = None
+        prompt_text = ""
+        for request in requests:
+            if request.prompt_token_ids is not prompt:
+                prompt = request.prompt_token_ids
+                prompt_text = str(prompt)
+            results.append(self._result(request, version, prompt_text))
+        return results
 
     async def update_weights(self, version: int, weights: Any) -> None:
         self._version = version

@@ -288,30 +288,36 @@ class RolloutManager:
         self, group: UnfinishedGroup, results: list[GenerationResult]
     ) -> list[EnvResult | DataFailure]:
         """Score a round's completions with one ``score_group`` call; failures per sibling."""
-        outcomes: list[EnvResult | BaseException | None] = []
         texts: list[str] = []
-        truncated: list[bool] = []
-        for result in results:
+        undecodable: dict[int, DataFailure] = {}
+        for index, result in enumerate(results):
             try:
                 texts.append(self._completion_text(result))
-            except Exception as exc:  # a completion the codec cannot decode: its sibling fails
-                outcomes.append(exc)
-                continue
-            truncated.append(result.finish_reason == "length")
-            outcomes.append(None)
-        if texts:
-            try:
-                scored = self.env.score_group(group.item, texts, truncated=truncated)
-                if len(scored) != len(texts):
-                    raise ValueError(
-                        f"{type(self.env).__name__}.score_group returned {len(scored)} "
-                        f"entries for {len(texts)} completions"
-                    )
-            except Exception as exc:  # any exception from user reward code is a data failure
-                scored = [exc] * len(texts)
-            scored_iter = iter(scored)
-            outcomes = [next(scored_iter) if entry is None else entry for entry in outcomes]
-        return [_as_data_failure(outcome) for outcome in outcomes]
+            except Exception as exc:  # the codec is user code too: this sibling's data failure
+                undecodable[index] = _as_data_failure(exc)
+        if not undecodable:
+            return self._score_texts(group, results, texts)
+        decoded = [result for index, result in enumerate(results) if index not in undecodable]
+        scored = iter(self._score_texts(group, decoded, texts) if texts else [])
+        return [undecodable.get(index) or next(scored) for index in range(len(results))]
+
+    def _score_texts(
+        self, group: UnfinishedGroup, results: list[GenerationResult], texts: list[str]
+    ) -> list[EnvResult | DataFailure]:
+        truncated = [result.finish_reason == "length" for result in results]
+        try:
+            scored = self.env.score_group(group.item, texts, truncated=truncated)
+            if len(scored) != len(texts):
+                raise ValueError(
+                    f"{type(self.env).__name__}.score_group returned {len(scored)} "
+                    f"entries for {len(texts)} completions"
+                )
+        except Exception as exc:  # any exception from user reward code is a data failure
+            scored = [exc] * len(texts)
+        return [
+            outcome if type(outcome) is EnvResult else _as_data_failure(outcome)
+            for outcome in scored
+        ]
 
     def _record(
         self,

@@ -130,7 +130,7 @@ def make_group_block(
     if not prompt:
         raise BatchError("a training row needs at least one prompt token")
     num_prompt = len(prompt)
-    completion_lengths = tuple(len(completion) for completion in completions)
+    completion_lengths = tuple(map(len, completions))
     longest = max(completion_lengths)
     token_ids: list[int] = []
     logprobs: list[float] = []
@@ -166,22 +166,21 @@ def make_group_block(
 def _whole_blocks(rows: Sequence[Mapping[str, torch.Tensor]]) -> list[RowBlock] | None:
     """The blocks ``rows`` consist of, when they are whole blocks in block order; else None."""
     blocks: list[RowBlock] = []
-    position, total = 0, len(rows)
-    while position < total:
-        first = rows[position]
-        if type(first) is not BlockRow or first.index != 0:
+    block: RowBlock | None = None
+    next_index = size = 0
+    for row in rows:
+        if type(row) is not BlockRow:
             return None
-        block = first.block
-        size = len(block.sample_ids)
-        if position + size > total:
-            return None
-        for index in range(1, size):
-            row = rows[position + index]
-            if type(row) is not BlockRow or row.block is not block or row.index != index:
+        if next_index == 0:  # a block must start here
+            if row.index != 0:
                 return None
-        blocks.append(block)
-        position += size
-    return blocks
+            block = row.block
+            blocks.append(block)
+            size = len(block.sample_ids)
+        elif row.block is not block or row.index != next_index:
+            return None
+        next_index = 0 if next_index + 1 == size else next_index + 1
+    return blocks if next_index == 0 else None
 
 
 def _collate_blocks(blocks: list[RowBlock], pad_token_id: int) -> TrainBatch:

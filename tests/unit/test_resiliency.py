@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections import Counter
 
@@ -18,7 +19,7 @@ from tandemrl.data.dataloader import PromptDataLoader
 from tandemrl.data.dataset import PromptRecord
 from tandemrl.envs.counting import CountingEnv
 from tandemrl.generation.base import GenerationError
-from tandemrl.generation.fake import FakeGenerationBackend, LatencyModel
+from tandemrl.generation.fake import FakeGenerationBackend, LatencyModel, fake_codec
 from tandemrl.rollout.failures import FailureBudgetExceeded, FailureKind
 from tandemrl.training.fake import FakeTrainer
 
@@ -64,7 +65,7 @@ class FlakyEnv(CountingEnv):
         return super().score(item, completion, truncated=truncated)
 
 
-def run(cfg, *, env=None, engines=None, trainer=None, num_prompts=16, timeout=30):
+def run(cfg, *, env=None, engines=None, trainer=None, num_prompts=16, timeout=30, codec=None):
     engines = engines or [FakeGenerationBackend(seed=0)]
     trainer = trainer or FakeTrainer()
 
@@ -74,6 +75,8 @@ def run(cfg, *, env=None, engines=None, trainer=None, num_prompts=16, timeout=30
         )
         if env is not None:
             controller.rollout_manager.env = env
+        if codec is not None:
+            controller.rollout_manager.codec = codec
         try:
             await asyncio.wait_for(controller.run(), timeout=timeout)
         finally:
@@ -126,6 +129,25 @@ def test_a_raising_score_group_fails_every_sibling_of_that_round():
     failures = controller.rollout_manager.budgets.failures
     assert [(f.prompt_id, f.sibling_index) for f in failures] == [("e0-i3", 0), ("e0-i3", 1)]
     assert all("RuntimeError: grader unavailable" in f.cause for f in failures)
+
+
+def test_a_completion_the_codec_cannot_decode_fails_only_its_sibling():
+    base = fake_codec()
+    calls = Counter()
+
+    def decode(ids):
+        calls["decode"] += 1
+        if calls["decode"] == 3:  # the first group's first sibling (G=2: calls 1-2 are e0-i0)
+            raise UnicodeDecodeError("utf-8", b"", 0, 1, "broken bytes")
+        return base.decode(ids)
+
+    codec = dataclasses.replace(base, decode=decode)
+    controller = run(make_cfg("async_rl.rollout_failure.max_data_retries=1"), codec=codec)
+    assert len(trained_ids(controller)) == 16
+    assert controller.rollout_manager.generated_siblings == 16 * G + 1
+    failures = controller.rollout_manager.budgets.failures
+    assert [(f.kind, f.sibling_index) for f in failures] == [(FailureKind.DATA, 0)]
+    assert "UnicodeDecodeError" in failures[0].cause
 
 
 def test_data_failure_under_prompt_group_regenerates_the_whole_group():
