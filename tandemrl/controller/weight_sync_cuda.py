@@ -361,21 +361,30 @@ def bounded_broadcast(buffer: torch.Tensor, timeout_s: float) -> None:
     work = dist.broadcast(buffer, src=0, async_op=True)
     assert work is not None
     deadline = time.monotonic() + timeout_s
+    error: Exception | None = None
     while not work.is_completed():
         if time.monotonic() > deadline:
-            _abort_process_group()
-            raise TimeoutError(
+            error = TimeoutError(
                 f"weight broadcast did not complete within {timeout_s:g} s "
                 "(policy.generation.weight_sync_timeout_s); a peer is dead or stuck"
             )
+            break
         time.sleep(POLL_INTERVAL_S)
-    try:
-        work.wait()  # raises the collective's error (gloo: a peer closed its connection)
-    except Exception:
-        # The group is broken: tearing down this rank's side closes its connections, so peers
-        # still waiting on it fail now instead of at their deadline.
-        _abort_process_group()
-        raise
+    else:
+        try:
+            work.wait()  # raises the collective's error (gloo: a peer closed its connection)
+        except Exception as exc:
+            error = exc
+    if error is not None:
+        # The group is broken. Tearing down this rank's side closes its connections, so peers
+        # still waiting on it fail now instead of at their deadline; the work holds the group
+        # (and its connections) too, so it goes first. A gloo operation still pending cannot
+        # be cancelled (destroying its group waits for it): it ends at the group's own
+        # timeout, just past this deadline, while this thread returns now.
+        del work
+        if not isinstance(error, TimeoutError) or dist.get_backend() == "nccl":
+            _abort_process_group()
+        raise error
     if buffer.device.type == "cuda":
         torch.cuda.synchronize(buffer.device)
 
