@@ -80,6 +80,9 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
         "train_idle": statistics.mean(row["train_idle_frac"] for row in steady),
         "rollout_idle": statistics.mean(row["rollout_idle_frac"] for row in steady),
         "weight_sync_s": statistics.mean(row["weight_sync_s"] for row in steady),
+        # CPU seconds of the trainer process per step (all its work: train, export): a
+        # load-independent measure of the trainer side.
+        "trainer_cpu_s": statistics.mean(row.get("train/process_cpu_s", 0.0) for row in steady),
         # The learning curve at equal steps: mean reward of each quarter of the run.
         "reward_quarters": [
             round(statistics.mean(row["reward_mean"] for row in part), 3)
@@ -120,12 +123,12 @@ def main() -> None:
                 )
             )
     print(
-        f"\n{'mode':10s} {'steps/s':>8s} {'tok/s':>8s} {'reward@end':>10s} {'train idle':>10s} {'roll idle':>9s}"
+        f"\n{'mode':10s} {'steps/s':>8s} {'tok/s':>8s} {'reward@end':>10s} {'train idle':>10s} {'roll idle':>9s} {'trainer cpu/step':>16s}"
     )
     for mode, r in results.items():
         print(
             f"{mode:10s} {r['steps_per_s']:8.2f} {r['tokens_per_s']:8.0f} {r['reward_last20']:10.3f} "
-            f"{r['train_idle']:10.2f} {r['rollout_idle']:9.2f}"
+            f"{r['train_idle']:10.2f} {r['rollout_idle']:9.2f} {r['trainer_cpu_s']:15.3f}s"
         )
     result: dict[str, object] = {
         "steps": args.steps,
@@ -140,6 +143,7 @@ def main() -> None:
         result[f"reward_quarters_{mode}"] = r["reward_quarters"]
         result[f"steps_per_s_{mode}"] = round(r["steps_per_s"], 3)
         result[f"weight_sync_s_{mode}"] = round(r["weight_sync_s"], 4)
+        result[f"trainer_cpu_s_per_step_{mode}"] = round(r["trainer_cpu_s"], 4)
     if "sync" in results:
         sync = results["sync"]["steps_per_s"]
         result["sync_train_idle"] = round(results["sync"]["train_idle"], 3)

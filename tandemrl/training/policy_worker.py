@@ -56,6 +56,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -253,6 +254,7 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
         self._step = StepTracker()
         self._executor = SerialExecutor()
         self.optimizer_steps = 0
+        self._process_cpu_mark = time.process_time()
 
     def _decoder_layers(self) -> torch.nn.ModuleList:
         layers = getattr(self.model.base_model, "layers", None)
@@ -458,8 +460,18 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
         self.optimizer_steps += 1
         metrics = self._step.summary(scale)
         self._step.active = False
+        # CPU seconds this process spent since the previous step's end (the whole step's
+        # trainer work, weight export included, when the worker has a process of its own):
+        # comparable across runs on a loaded machine, unlike wall-clock times.
+        now = time.process_time()
+        process_cpu_s, self._process_cpu_mark = now - self._process_cpu_mark, now
         metrics.update(
-            {"grad_norm": grad_norm, "lr": lr, "optimizer_steps": float(self.optimizer_steps)}
+            {
+                "grad_norm": grad_norm,
+                "lr": lr,
+                "optimizer_steps": float(self.optimizer_steps),
+                "process_cpu_s": process_cpu_s,
+            }
         )
         return metrics
 
