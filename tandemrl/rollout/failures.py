@@ -19,8 +19,6 @@ import asyncio
 import enum
 from dataclasses import dataclass, field
 
-from ray.exceptions import RayActorError, RaySystemError, WorkerCrashedError
-
 from tandemrl.config.models import RolloutFailureConfig
 from tandemrl.generation.base import GenerationError
 
@@ -60,6 +58,16 @@ class FailureRecord:
     cause: str
 
 
+def _ray_worker_errors() -> tuple[type[BaseException], ...]:
+    """Ray's worker-death errors. A process without Ray has none to classify: the GPU
+    benchmarks run the controller in-process on a machine where Ray is not installed."""
+    try:
+        from ray.exceptions import RayActorError, RaySystemError, WorkerCrashedError
+    except ImportError:
+        return ()
+    return (RayActorError, RaySystemError, WorkerCrashedError)
+
+
 def classify(exc: BaseException) -> FailureKind:
     """Infrastructure for engine/transport/timeouts, data for everything the environment raised."""
     if isinstance(exc, DataFailure):
@@ -68,7 +76,7 @@ def classify(exc: BaseException) -> FailureKind:
         exc, GenerationError | TimeoutError | asyncio.TimeoutError | ConnectionError | OSError
     ):
         return FailureKind.INFRA
-    if isinstance(exc, RayActorError | RaySystemError | WorkerCrashedError):
+    if isinstance(exc, _ray_worker_errors()):
         return FailureKind.INFRA  # a Ray worker process died under the call
     return FailureKind.DATA
 
