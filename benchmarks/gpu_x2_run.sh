@@ -4,6 +4,7 @@
 #      other (NCCL weight sync), the NCCL sync alone for 0.5B and 1.5B, then the train part in
 #      the same process (it failed there once, after the two-GPU GRPO runs);
 #   B. GPU 0 only: the one-GPU GRPO rows (colocated, two processes with CUDA IPC).
+# First, tests/unit/test_weight_sync_gpu.py checks both transports exactly on the GPUs.
 # Each part has its own time limit (A_S, B_S seconds) so that B cannot eat A's results; JSON
 # results and the log are packed into $OUT (two files: run.log, results.tgz).
 #
@@ -21,6 +22,8 @@ COMMON=(--length-cap 128 --steps 3)
 {
     date -u
     nvidia-smi --query-gpu=index,name,memory.used,utilization.gpu --format=csv
+    echo "=== GPU weight-sync tests (CUDA IPC on one GPU, NCCL across two)"
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/unit/test_weight_sync_gpu.py
     echo "=== A: two GPUs"
     timeout "$A_S" python3 benchmarks/gpu_grpo.py --part ceilings grpo sync train \
         --placements two_gpus --sync-sizes 0.5b 1.5b --sync-nccl-only "${COMMON[@]}" \

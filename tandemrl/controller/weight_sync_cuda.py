@@ -497,7 +497,10 @@ class WeightReceiverHost:
         raise NotImplementedError
 
     def _weight_sync_device(self) -> torch.device:
-        return torch.device(self.engine.device)
+        device = torch.device(self.engine.device)
+        if device.type == "cuda" and device.index is None:  # "cuda": the current device
+            device = torch.device("cuda", torch.cuda.current_device())
+        return device
 
     async def weight_sync_dtype(self) -> str:
         """The dtype the engine's parameters hold: the buffer's dtype."""
