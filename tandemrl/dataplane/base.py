@@ -18,6 +18,7 @@ fsync, rename), so a crash mid-save leaves no directory that ``load`` would acce
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -28,6 +29,18 @@ Row = dict[str, torch.Tensor]
 RowView = Mapping[str, torch.Tensor]
 
 
+# Flat buffers a RowBlock may be built from, by ``array.array`` typecode.
+BUFFER_DTYPES: dict[str, torch.dtype] = {
+    "b": torch.int8,
+    "B": torch.uint8,
+    "h": torch.int16,
+    "i": torch.int32,
+    "q": torch.int64,
+    "f": torch.float32,
+    "d": torch.float64,
+}
+
+
 class RowBlock:
     """The rows of one prompt group, each field stacked along dimension 0.
 
@@ -35,15 +48,89 @@ class RowBlock:
     value per row (a 0-d tensor in the row); a field of shape ``[N, L]`` is per token, right
     padded to ``L = max(lengths)`` (the row holds ``field[i, :lengths[i]]``). Padding positions
     hold 0 in every field. Blocks are immutable: nobody writes to a stored block's tensors.
+
+    ``from_buffers`` builds a block from flat ``array.array`` buffers (row-major, typecodes of
+    ``BUFFER_DTYPES``) without making tensors: ``fields`` turns them into tensors on first
+    use, and collation concatenates the buffers of many blocks into one tensor per field, so
+    a group that goes from the rollout straight into a batch costs no tensor of its own.
     """
 
-    __slots__ = ("fields", "lengths", "sample_ids", "uniform", "width")
+    __slots__ = (
+        "_fields",
+        "lengths",
+        "per_row_buffers",
+        "per_token_buffers",
+        "sample_ids",
+        "uniform",
+        "width",
+    )
 
     def __init__(
         self, sample_ids: Sequence[str], fields: Mapping[str, torch.Tensor], lengths: Sequence[int]
     ) -> None:
+        self._set_rows(sample_ids, lengths)
+        self._fields: dict[str, torch.Tensor] | None = dict(fields)
+        self.per_token_buffers: dict[str, array] | None = None
+        self.per_row_buffers: dict[str, array] | None = None
+        count = len(self.sample_ids)
+        per_row, per_token = (count,), (count, self.width)
+        for name, tensor in self._fields.items():
+            if not isinstance(name, str) or not name or not isinstance(tensor, torch.Tensor):
+                raise DataPlaneError(
+                    f"row block {self.sample_ids[0]!r}...: field {name!r} must be a named "
+                    f"torch.Tensor, got {type(tensor).__name__}"
+                )
+            shape = tensor.shape
+            if shape != per_token and shape != per_row:
+                raise DataPlaneError(
+                    f"row block {self.sample_ids[0]!r}...: field {name!r} has shape "
+                    f"{tuple(tensor.shape)}, expected ({count},) or ({count}, {self.width})"
+                )
+
+    @classmethod
+    def from_buffers(
+        cls,
+        sample_ids: Sequence[str],
+        lengths: Sequence[int],
+        *,
+        per_token: Mapping[str, array],
+        per_row: Mapping[str, array],
+    ) -> RowBlock:
+        """A block from ``per_token`` buffers of ``N * L`` values and ``per_row`` ones of ``N``."""
+        block = cls.__new__(cls)
+        block._set_rows(sample_ids, lengths)
+        block._fields = None
+        block.per_token_buffers = dict(per_token)
+        block.per_row_buffers = dict(per_row)
+        count = len(block.sample_ids)
+        if block.per_token_buffers.keys() & block.per_row_buffers.keys():
+            raise DataPlaneError(
+                f"row block {block.sample_ids[0]!r}...: a field is both per token and per row"
+            )
+        for buffers, size in (
+            (block.per_token_buffers, count * block.width),
+            (block.per_row_buffers, count),
+        ):
+            for name, buffer in buffers.items():
+                if (
+                    not isinstance(name, str)
+                    or not name
+                    or not isinstance(buffer, array)
+                    or buffer.typecode not in BUFFER_DTYPES
+                ):
+                    raise DataPlaneError(
+                        f"row block {block.sample_ids[0]!r}...: field {name!r} must be a named "
+                        f"array.array with a typecode in {sorted(BUFFER_DTYPES)}"
+                    )
+                if len(buffer) != size:
+                    raise DataPlaneError(
+                        f"row block {block.sample_ids[0]!r}...: field {name!r} holds "
+                        f"{len(buffer)} values, expected {size}"
+                    )
+        return block
+
+    def _set_rows(self, sample_ids: Sequence[str], lengths: Sequence[int]) -> None:
         self.sample_ids = tuple(sample_ids)
-        self.fields = dict(fields)
         self.lengths = tuple(lengths)
         count = len(self.sample_ids)
         if count == 0 or len(self.lengths) != count:
@@ -66,19 +153,30 @@ class RowBlock:
             raise DataPlaneError(f"row block {self.sample_ids[0]!r}...: a row length is < 1")
         self.width = max(self.lengths)
         self.uniform = shortest == self.width
-        per_row, per_token = (count,), (count, self.width)
-        for name, tensor in self.fields.items():
-            if not isinstance(name, str) or not name or not isinstance(tensor, torch.Tensor):
-                raise DataPlaneError(
-                    f"row block {self.sample_ids[0]!r}...: field {name!r} must be a named "
-                    f"torch.Tensor, got {type(tensor).__name__}"
+
+    @property
+    def fields(self) -> dict[str, torch.Tensor]:
+        """Every field as a tensor ([N] or [N, L]); built from the buffers on first use."""
+        if self._fields is None:
+            assert self.per_token_buffers is not None and self.per_row_buffers is not None
+            count, width = len(self.sample_ids), self.width
+            fields = {
+                name: torch.frombuffer(buffer, dtype=BUFFER_DTYPES[buffer.typecode]).view(
+                    count, width
                 )
-            shape = tensor.shape
-            if shape != per_token and shape != per_row:
-                raise DataPlaneError(
-                    f"row block {self.sample_ids[0]!r}...: field {name!r} has shape "
-                    f"{tuple(tensor.shape)}, expected ({count},) or ({count}, {self.width})"
-                )
+                for name, buffer in self.per_token_buffers.items()
+            }
+            for name, buffer in self.per_row_buffers.items():
+                fields[name] = torch.frombuffer(buffer, dtype=BUFFER_DTYPES[buffer.typecode])
+            self._fields = fields
+        return self._fields
+
+    @property
+    def field_names(self) -> list[str]:
+        if self._fields is not None:
+            return list(self._fields)
+        assert self.per_token_buffers is not None and self.per_row_buffers is not None
+        return [*self.per_token_buffers, *self.per_row_buffers]
 
     def __len__(self) -> int:
         return len(self.sample_ids)
@@ -114,16 +212,16 @@ class BlockRow(Mapping[str, torch.Tensor]):
         return self.block.field_of_row(name, self.index)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.block.fields)
+        return iter(self.block.field_names)
 
     def __len__(self) -> int:
-        return len(self.block.fields)
+        return len(self.block.field_names)
 
     def __contains__(self, name: object) -> bool:
-        return name in self.block.fields
+        return name in self.block.field_names
 
     def __repr__(self) -> str:
-        return f"BlockRow({self.block.sample_ids[self.index]!r}, fields={list(self.block.fields)})"
+        return f"BlockRow({self.block.sample_ids[self.index]!r}, fields={self.block.field_names})"
 
 
 class DataPlaneError(RuntimeError):

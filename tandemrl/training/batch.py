@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
-from tandemrl.dataplane.base import BlockRow, RowBlock
+from tandemrl.dataplane.base import BUFFER_DTYPES, BlockRow, RowBlock
 from tandemrl.training.api import TrainBatch
 
 # Fields every row must hold.
@@ -95,13 +95,13 @@ def make_training_row(
 
 
 @lru_cache(maxsize=512)
-def _group_token_mask(num_prompt: int, completion_lengths: tuple[int, ...]) -> torch.Tensor:
-    """[N, L] float32 token mask of a group; shared by every block of that shape (read-only)."""
+def _group_token_mask(num_prompt: int, completion_lengths: tuple[int, ...]) -> array:
+    """A group's flat [N * L] float32 token mask; shared by every block of that shape (read-only)."""
     width = num_prompt + max(completion_lengths)
     mask = array("f")
     for length in completion_lengths:
         mask.extend([0.0] * num_prompt + [1.0] * length + [0.0] * (width - num_prompt - length))
-    return torch.frombuffer(mask, dtype=torch.float32).view(len(completion_lengths), width)
+    return mask
 
 
 def make_group_block(
@@ -115,7 +115,8 @@ def make_group_block(
     """One prompt group's rows as a ``RowBlock``; row ``i`` equals ``make_training_row``'s.
 
     Per-token fields are [N, P + longest completion] (right padded with 0), ``reward`` and
-    ``sample_mask`` are [N]. Each field is one tensor built from one flat buffer.
+    ``sample_mask`` are [N]. The block holds flat buffers; no tensor is made until someone
+    reads a field (collation concatenates the buffers of a whole chunk instead).
     """
     count = len(sample_ids)
     if not (len(completions) == len(completion_logprobs) == len(rewards) == len(sample_masks)):
@@ -150,17 +151,16 @@ def make_group_block(
         if length < longest:
             token_ids += [0] * (longest - length)
             logprobs += [0.0] * (longest - length)
-    width = num_prompt + longest
-    fields = {
-        "input_ids": torch.frombuffer(array("q", token_ids), dtype=torch.long).view(count, width),
-        "token_mask": _group_token_mask(num_prompt, completion_lengths),
-        "generation_logprobs": torch.frombuffer(array("f", logprobs), dtype=torch.float32).view(
-            count, width
-        ),
-        "reward": torch.frombuffer(array("f", rewards), dtype=torch.float32),
-        "sample_mask": torch.frombuffer(array("f", sample_masks), dtype=torch.float32),
-    }
-    return RowBlock(sample_ids, fields, [num_prompt + length for length in completion_lengths])
+    return RowBlock.from_buffers(
+        sample_ids,
+        [num_prompt + length for length in completion_lengths],
+        per_token={
+            "input_ids": array("q", token_ids),
+            "token_mask": _group_token_mask(num_prompt, completion_lengths),
+            "generation_logprobs": array("f", logprobs),
+        },
+        per_row={"reward": array("f", rewards), "sample_mask": array("f", sample_masks)},
+    )
 
 
 def _whole_blocks(rows: Sequence[Mapping[str, torch.Tensor]]) -> list[RowBlock] | None:
@@ -185,32 +185,23 @@ def _whole_blocks(rows: Sequence[Mapping[str, torch.Tensor]]) -> list[RowBlock] 
 
 def _collate_blocks(blocks: list[RowBlock], pad_token_id: int) -> TrainBatch:
     """``collate_rows`` for rows that are whole blocks: concatenate instead of padding rows."""
-    keys = set(blocks[0].fields)
+    keys = set(blocks[0].field_names)
     missing = [key for key in REQUIRED_ROW_KEYS if key not in keys]
     if missing:
         raise BatchError(f"row 0 lacks required field(s) {missing}")
     for block in blocks[1:]:
-        if set(block.fields) != keys:
+        if set(block.field_names) != keys:
             raise BatchError(
                 f"rows disagree on their fields: row 0 has {sorted(keys)}, "
-                f"row {block.sample_ids[0]!r} has {sorted(block.fields)}"
+                f"row {block.sample_ids[0]!r} has {sorted(block.field_names)}"
             )
     lengths = [length for block in blocks for length in block.lengths]
     max_len = max(block.width for block in blocks)
-
-    def joined(key: str) -> torch.Tensor:
-        parts = [block.fields[key] for block in blocks]
-        if parts[0].dim() == 2:
-            parts = [
-                part if part.shape[1] == max_len else F.pad(part, (0, max_len - part.shape[1]))
-                for part in parts
-            ]
-        return torch.cat(parts)  # a fresh tensor even for one block: batches never alias rows
-
+    columns = _joined_buffers(blocks, max_len) or _joined_tensors(blocks, max_len)
+    token_mask = columns["token_mask"]
     batch: TrainBatch = {}
-    token_mask = joined("token_mask")
     for key in sorted(keys):
-        value = token_mask if key == "token_mask" else joined(key)
+        value = columns[key]
         if value.dim() == 1:
             if key in BROADCASTABLE_KEYS:
                 value = value.to(torch.float32)[:, None] * token_mask.to(torch.float32)
@@ -225,6 +216,62 @@ def _collate_blocks(blocks: list[RowBlock], pad_token_id: int) -> TrainBatch:
         batch["input_ids"] = batch["input_ids"].masked_fill(attention_mask == 0, pad_token_id)
     batch["attention_mask"] = attention_mask
     return batch
+
+
+def _joined_tensors(blocks: list[RowBlock], max_len: int) -> dict[str, torch.Tensor]:
+    """Each field of the blocks concatenated along rows (per-token fields padded to max_len)."""
+    joined = {}
+    for key in blocks[0].fields:
+        parts = [block.fields[key] for block in blocks]
+        if parts[0].dim() == 2:
+            parts = [
+                part if part.shape[1] == max_len else F.pad(part, (0, max_len - part.shape[1]))
+                for part in parts
+            ]
+        joined[key] = torch.cat(parts)  # a fresh tensor even for one block: never aliases rows
+    return joined
+
+
+def _joined_buffers(blocks: list[RowBlock], max_len: int) -> dict[str, torch.Tensor] | None:
+    """``_joined_tensors`` for blocks built from buffers, with one tensor per field; None when
+    a block holds tensors or the blocks disagree on a field's kind or type."""
+    first = blocks[0]
+    if first.per_token_buffers is None or first.per_row_buffers is None:
+        return None
+    layout = _buffer_layout(first)
+    for block in blocks[1:]:
+        if block.per_token_buffers is None or _buffer_layout(block) != layout:
+            return None
+    count = sum(len(block.sample_ids) for block in blocks)
+    joined = {}
+    for key, buffer in first.per_row_buffers.items():
+        column = array(buffer.typecode)
+        for block in blocks:
+            column += block.per_row_buffers[key]  # type: ignore[index]
+        joined[key] = torch.frombuffer(column, dtype=BUFFER_DTYPES[buffer.typecode])
+    for key, buffer in first.per_token_buffers.items():
+        column = array(buffer.typecode)
+        for block in blocks:
+            part, width = block.per_token_buffers[key], block.width
+            if width == max_len:
+                column += part
+                continue
+            padding = array(buffer.typecode, [0]) * (max_len - width)
+            for start in range(0, len(part), width):
+                column += part[start : start + width]
+                column += padding
+        joined[key] = torch.frombuffer(column, dtype=BUFFER_DTYPES[buffer.typecode]).view(
+            count, max_len
+        )
+    return joined
+
+
+def _buffer_layout(block: RowBlock) -> tuple[tuple[tuple[str, str], ...], ...]:
+    assert block.per_token_buffers is not None and block.per_row_buffers is not None
+    return (
+        tuple((key, buffer.typecode) for key, buffer in block.per_token_buffers.items()),
+        tuple((key, buffer.typecode) for key, buffer in block.per_row_buffers.items()),
+    )
 
 
 def _check_row(index: int, row: Mapping[str, torch.Tensor]) -> int:

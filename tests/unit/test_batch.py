@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from array import array
+
 import pytest
 import torch
 
@@ -135,10 +137,22 @@ def _blocks(pad_widths: bool):
     return blocks
 
 
+def _as_tensor_block(block: RowBlock) -> RowBlock:
+    return RowBlock(block.sample_ids, block.fields, block.lengths)
+
+
 @pytest.mark.parametrize("pad_token_id", [0, 7])
 @pytest.mark.parametrize("pad_widths", [False, True])
-def test_collating_whole_blocks_equals_collating_rows(pad_token_id: int, pad_widths: bool) -> None:
-    views = [view for block in _blocks(pad_widths) for view in block.row_views()]
+@pytest.mark.parametrize("storage", ["buffers", "tensors", "mixed"])
+def test_collating_whole_blocks_equals_collating_rows(
+    pad_token_id: int, pad_widths: bool, storage: str
+) -> None:
+    blocks = _blocks(pad_widths)
+    if storage == "tensors":
+        blocks = [_as_tensor_block(block) for block in blocks]
+    elif storage == "mixed":
+        blocks[1] = _as_tensor_block(blocks[1])
+    views = [view for block in blocks for view in block.row_views()]
     plain = [dict(view) for view in views]  # same rows as plain dicts: the row-by-row path
     fast = collate_rows(views, pad_token_id=pad_token_id)
     slow = collate_rows(plain, pad_token_id=pad_token_id)
@@ -161,9 +175,27 @@ def test_collating_part_of_a_block_or_out_of_order_falls_back_to_rows() -> None:
             assert torch.equal(got[key], want[key]), key
 
 
+def test_block_from_buffers_checks_sizes_and_types() -> None:
+    ids, lengths = ["a", "b"], [2, 1]
+    ok = {"input_ids": array("q", [1, 2, 3, 0])}
+    block = RowBlock.from_buffers(ids, lengths, per_token=ok, per_row={"r": array("f", [1, 2])})
+    assert block.fields["input_ids"].tolist() == [[1, 2], [3, 0]]
+    assert block.fields["r"].dtype == torch.float32
+    with pytest.raises(DataPlaneError, match="holds 3 values, expected 4"):
+        RowBlock.from_buffers(ids, lengths, per_token={"x": array("q", [1, 2, 3])}, per_row={})
+    with pytest.raises(DataPlaneError, match="typecode"):
+        RowBlock.from_buffers(ids, lengths, per_token={"x": [1, 2, 3, 4]}, per_row={})  # type: ignore[dict-item]
+    with pytest.raises(DataPlaneError, match="both per token and per row"):
+        RowBlock.from_buffers(
+            ids, [1, 1], per_token={"x": array("f", [1, 2])}, per_row={"x": array("f", [1, 2])}
+        )
+
+
 def test_collating_blocks_checks_fields() -> None:
     first, second, _ = _blocks(False)
     odd = RowBlock(second.sample_ids, {**second.fields, "extra": torch.zeros(2)}, second.lengths)
+    with pytest.raises(BatchError, match="disagree"):
+        collate_rows([*odd.row_views(), *first.row_views()], pad_token_id=0)
     with pytest.raises(BatchError, match="disagree"):
         collate_rows([*first.row_views(), *odd.row_views()], pad_token_id=0)
     bare = RowBlock(first.sample_ids, {"input_ids": first.fields["input_ids"]}, first.lengths)
