@@ -124,6 +124,7 @@ class EngineHost(WeightReceiverHost):
         max_batch_size: int,
         lengths: LongTail | None,
         seed: int = 0,
+        cuda_graphs: str = "auto",
     ) -> None:
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))
@@ -135,6 +136,7 @@ class EngineHost(WeightReceiverHost):
             max_batch_size=max_batch_size,
             seed=seed,
             eos_token_ids=[EOS_TOKEN_ID],
+            cuda_graphs=cuda_graphs,
         )
         self.lengths = lengths
         self.step_busy_s = 0.0

@@ -176,42 +176,59 @@ def _plain_generate(model: Any, batch: int, prompt_len: int, new_tokens: int) ->
 
 
 def part_decode(folder: Path, device: torch.device, args: argparse.Namespace, bw: float) -> dict:
-    host = EngineHost(str(folder), device=str(device), max_batch_size=512, lengths=None)
-    model = host.engine.model
-    config = model.config
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    kv_token = kv_bytes_per_token(config)
-    rows = []
+    """Engine decode (static path, ``cuda_graphs`` auto, and the dynamic path) vs generate."""
+    rows: dict[int, dict[str, Any]] = {}
+    weight_bytes, kv_token = 0, 0
+    for mode in args.decode_engine_modes:
+        host = EngineHost(
+            str(folder), device=str(device), max_batch_size=512, lengths=None, cuda_graphs=mode
+        )
+        model = host.engine.model
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        kv_token = kv_bytes_per_token(model.config)
+        suffix = "" if mode == "auto" else f"_{mode}"
 
-    async def run() -> None:
-        await _engine_decode(host, 8, args.prompt_len, 8, seed=99)  # warm-up
-        for batch in args.decode_batches:
-            engine_tps = await _engine_decode(host, batch, args.prompt_len, args.new_tokens, batch)
-            plain_tps = _plain_generate(model, batch, args.prompt_len, args.new_tokens)
-            context = args.prompt_len + args.new_tokens / 2
-            step_bytes = weight_bytes + batch * context * kv_token
-            floor_tps = batch / (step_bytes / (bw * 1e12))
-            rows.append(
-                {
-                    "batch": batch,
-                    "engine_tok_s": engine_tps,
-                    "plain_generate_tok_s": plain_tps,
-                    "speedup_vs_generate": engine_tps / plain_tps,
-                    "floor_tok_s": floor_tps,
-                    "engine_floor_fraction": engine_tps / floor_tps,
-                    "step_bytes": step_bytes,
-                }
+        async def run(host: EngineHost = host, suffix: str = suffix) -> None:
+            for batch in args.decode_batches:
+                # Warm-up at the measured batch: compilation and graph capture stay outside.
+                await _engine_decode(host, batch, args.prompt_len, args.new_tokens, seed=99)
+                busy0, steps0 = host.step_busy_s, host.engine.stats.decode_steps
+                engine_tps = await _engine_decode(
+                    host, batch, args.prompt_len, args.new_tokens, batch
+                )
+                steps = host.engine.stats.decode_steps - steps0
+                row = rows.setdefault(batch, {"batch": batch})
+                row[f"engine{suffix}_tok_s"] = engine_tps
+                row[f"engine{suffix}_ms_per_step"] = 1e3 * (host.step_busy_s - busy0) / steps
+                row[f"engine{suffix}_static"] = host.engine.static_decode
+            await host.shutdown()
+
+        asyncio.run(run())
+        if mode == args.decode_engine_modes[-1]:
+            for batch in args.decode_batches:
+                rows[batch]["plain_generate_tok_s"] = _plain_generate(
+                    model, batch, args.prompt_len, args.new_tokens
+                )
+        del host, model
+        _empty_cache(device)
+    for row in rows.values():
+        context = args.prompt_len + args.new_tokens / 2
+        step_bytes = weight_bytes + row["batch"] * context * kv_token
+        floor_tps = row["batch"] / (step_bytes / (bw * 1e12))
+        for key in [key for key in row if key.endswith("_tok_s") and key.startswith("engine")]:
+            row[key.replace("_tok_s", "_speedup_vs_generate")] = (
+                row[key] / row["plain_generate_tok_s"]
             )
-            log(f"decode batch {batch}: {rows[-1]}")
-        await host.shutdown()
-
-    asyncio.run(run())
+            row[key.replace("_tok_s", "_floor_fraction")] = row[key] / floor_tps
+        row.update({"floor_tok_s": floor_tps, "floor_ms": 1e3 * step_bytes / (bw * 1e12)})
+        row["step_bytes"] = step_bytes
+        log(f"decode batch {row['batch']}: {row}")
     return {
         "weight_bytes": weight_bytes,
         "kv_bytes_per_token": kv_token,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
-        "rows": rows,
+        "rows": list(rows.values()),
     }
 
 
@@ -698,6 +715,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/gpu_grpo"))
     parser.add_argument("--models", type=Path, default=Path(tempfile.gettempdir()) / "gpu_models")
     parser.add_argument("--decode-batches", type=int, nargs="+", default=[64, 256])
+    parser.add_argument(
+        "--decode-engine-modes",
+        nargs="+",
+        default=["auto", "off"],
+        help="policy.generation.torch.cuda_graphs values to time the engine with",
+    )
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--train-sequences", type=int, default=64)

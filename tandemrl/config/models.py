@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class Strict(BaseModel):
@@ -46,6 +46,29 @@ class VllmConfig(Strict):
     max_model_len: int | None = None
 
 
+class TorchGenerationConfig(Strict):
+    """The in-process torch engine (backend torch); see tandemrl/generation/torch_engine.py."""
+
+    # Static-cache decode with CUDA graphs: "auto" on CUDA for Qwen2/Llama-family models,
+    # "on" (refused for other models; on CPU the same step runs eagerly), "off" (the
+    # transformers DynamicCache batch).
+    cuda_graphs: Literal["auto", "on", "off"] = "auto"
+    # torch.compile the static step's fused elementwise work (CUDA only).
+    compile: bool = True
+    # Positions per slot of the static cache (prompt + completion); a sequence that reaches it
+    # ends with finish_reason "length". None: the model's max_position_embeddings, at most 4096.
+    max_seq_len: int | None = Field(None, ge=2)
+    # Share of the free device memory the static cache may take; fewer slots than
+    # max_batch_size when it holds fewer.
+    kv_cache_memory_fraction: float = Field(0.5, gt=0.0, le=1.0)
+
+    @field_validator("cuda_graphs", mode="before")
+    @classmethod
+    def _yaml_switch(cls, value: Any) -> Any:
+        # YAML 1.1 reads a bare on/off as a boolean.
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+
 class GenerationConfig(Strict):
     backend: Literal["torch", "vllm", "megatron", "fake"] = "torch"
     temperature: float = Field(1.0, ge=0.0)
@@ -58,6 +81,7 @@ class GenerationConfig(Strict):
     # Largest number of sequences one engine decodes together.
     max_batch_size: int = Field(256, ge=1)
     vllm_cfg: VllmConfig = VllmConfig()
+    torch: TorchGenerationConfig = TorchGenerationConfig()
     colocated: ColocatedConfig = ColocatedConfig()
     # How the trainer's weights reach the generation workers after each step (Ray runs):
     # "object_store" (a CPU copy through Ray's object store), "cuda_ipc" (workers map the

@@ -133,6 +133,11 @@ class _Checker:
                     "policy.generation.colocated.enabled: must be false with backend vllm — "
                     "colocated generation is only available with backend torch"
                 )
+        if generation.backend != "torch" and "torch" in generation.model_fields_set:
+            self.error(
+                f"policy.generation.torch: set, but backend is {generation.backend!r} — these "
+                "keys configure the torch engine only; remove them or use backend torch"
+            )
 
     def check_data_plane(self) -> None:
         data_plane = self.cfg.data_plane

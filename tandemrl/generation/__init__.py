@@ -29,6 +29,10 @@ def engine_options(
         "device": cfg.device,
         "dtype": cfg.precision,
         "max_batch_size": cfg.generation.max_batch_size,
+        "cuda_graphs": cfg.generation.torch.cuda_graphs,
+        "compile_step": cfg.generation.torch.compile,
+        "max_seq_len": cfg.generation.torch.max_seq_len,
+        "kv_cache_memory_fraction": cfg.generation.torch.kv_cache_memory_fraction,
         "recompute_kv_cache_after_weight_updates": recompute_kv_cache_after_weight_updates,
         # policy.generation.stop_token_ids travel on each request; the model's EOS (read from
         # the model folder) always stops as well.

@@ -530,6 +530,8 @@ class TorchGenerationEngine(GenerationBackend):
             self._running.extend(admit)
             self._load_slots(decoder, admit)
         running = list(self._running)
+        if not running:  # the collected step finished every row
+            return finished
         graphs_before = decoder.graph_count
         launched = decoder.launch(
             [seq.slot for seq in running],

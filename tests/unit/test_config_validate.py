@@ -649,6 +649,17 @@ def test_vllm_refuses_colocated():
     find(messages, "policy.generation.colocated.enabled", "vllm")
 
 
+def test_torch_engine_keys_need_backend_torch():
+    messages = errors(
+        "policy.generation.backend=vllm",
+        "policy.generation.vllm_cfg.async_engine=true",
+        "policy.generation.torch.cuda_graphs=off",
+    )
+    find(messages, "policy.generation.torch", "vllm")
+    assert warnings("policy.generation.torch.cuda_graphs=off") == []
+    assert warnings("policy.generation.torch.max_seq_len=512") == []
+
+
 def test_torch_colocated_and_fake_backends_are_allowed():
     assert warnings("policy.generation.colocated.enabled=true") == []
     assert warnings("policy.generation.backend=fake") == []

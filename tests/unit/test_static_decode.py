@@ -236,3 +236,27 @@ def test_engine_static_path_matches_plain_path_on_cuda(preset_path: Path) -> Non
         return [result.token_ids for result in results]
 
     assert asyncio.run(run("on")) == asyncio.run(run("off"))
+
+
+def test_rebuild_that_finishes_every_row_launches_nothing(preset_path: Path) -> None:
+    """A KV rebuild first collects the step in flight; if that ends every row, no launch."""
+    engine = TorchGenerationEngine(
+        preset_path,
+        device="cpu",
+        cuda_graphs="on",
+        eos_token_ids=(),
+        recompute_kv_cache_after_weight_updates=True,
+    )
+    loop = asyncio.new_event_loop()
+    try:
+        seq = engine._new_sequence(GenerationRequest("r", [5, 6], 2), loop)
+        assert engine._step([seq]) == []  # step 1 launched, nothing collected yet
+        assert engine._step([]) == []  # step 2 launched, step 1 collected
+        assert len(seq.token_ids) == 1 and engine._in_flight is not None
+        engine._needs_kv_rebuild = True  # as after update_weights
+        assert engine._step([]) == [seq]  # step 2 collected: the row is done
+        assert seq.finish_reason == "length" and len(seq.token_ids) == 2
+        assert engine._in_flight is None and engine._running == []
+        assert engine.stats.decode_steps == 2
+    finally:
+        loop.close()
