@@ -21,6 +21,7 @@ the ownership ledger, so a checkpoint written then still owns them).
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import math
 import time
@@ -180,6 +181,11 @@ class SingleController:
         self._group_crash = asyncio.get_running_loop().create_future()
         if self.commit_log is not None and not self.commit_log.opened:
             self.commit_log.open(parent=None)  # not resumed through checkpoint.restore.resume
+        # Everything alive now (torch, Ray, the dataset) outlives the run: frozen, it is not
+        # rescanned by the collector's full passes (each one stalls both pumps for a scan of
+        # the whole startup heap, and the run's own allocations keep triggering them).
+        # Unfrozen when the run ends.
+        gc.freeze()
         rollout = asyncio.create_task(self._rollout_pump(), name="rollout_pump")
         train = asyncio.create_task(self._train_pump(), name="train_pump")
         background = [rollout]
@@ -203,6 +209,7 @@ class SingleController:
             await self._final_checkpoint()
         finally:
             await self.shutdown(*background, train)
+            gc.unfreeze()
         return self.history
 
     async def shutdown(self, *tasks: asyncio.Task[Any]) -> None:
