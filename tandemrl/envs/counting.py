@@ -125,6 +125,6 @@ class CountingEnv(Environment):
                 **item_metadata,
             }
             results.append(
-                EnvResult(reward=positional_match_reward(target, cleaned), metadata=metadata)
+                EnvResult(positional_match_reward(target, cleaned), True, metadata)  # reward, keep
             )
         return results
