@@ -12,7 +12,7 @@ import torch
 
 from tandemrl.config.models import DataPlaneConfig
 from tandemrl.dataplane import DataPlaneError, LocalDataPlane, atomic, create_data_plane
-from tandemrl.dataplane.base import RowBlock
+from tandemrl.dataplane.base import DataPlane, RowBlock
 from tandemrl.dataplane.local import MANIFEST_NAME, ROWS_FILE_NAME, row_digest
 from tandemrl.training.batch import make_group_block
 
@@ -90,6 +90,45 @@ def test_block_rows_are_read_only_views_freed_with_their_last_row() -> None:
     assert run(plane.get(["g/1"]))["g/1"]["reward"].item() == 0.0
     run(plane.clear(["g/0", "g/1"]))
     assert len(plane) == 0
+
+
+class PutRecorder(DataPlane):
+    """A backend with only ``put``: what the default ``put_block`` hands it."""
+
+    def __init__(self) -> None:
+        self.puts: list[dict[str, dict[str, torch.Tensor]]] = []
+
+    async def put(self, rows):
+        self.puts.append(dict(rows))
+
+    async def get(self, keys):
+        raise NotImplementedError
+
+    async def clear(self, keys):
+        raise NotImplementedError
+
+    async def keys(self):
+        raise NotImplementedError
+
+    async def save(self, directory, keys=None):
+        raise NotImplementedError
+
+    async def load(self, directory):
+        raise NotImplementedError
+
+
+def test_default_put_block_puts_the_blocks_rows_as_plain_rows() -> None:
+    plane = PutRecorder()
+    block = make_group_block(
+        ["g/0", "g/1"], [1, 2], [[3, 4], [5]], [[-0.5, -1], [-2]], [1, 0], [1, 1]
+    )
+    run(plane.put_block(block))
+    (rows,) = plane.puts
+    assert list(rows) == ["g/0", "g/1"]
+    assert all(type(row) is dict for row in rows.values())
+    assert rows["g/1"]["input_ids"].tolist() == [1, 2, 5]
+    assert rows["g/1"]["generation_logprobs"].tolist() == [0, 0, -2]
+    assert rows["g/0"]["reward"].shape == () and rows["g/0"]["reward"].item() == 1.0
 
 
 def test_row_block_refuses_bad_shapes_and_ids() -> None:
