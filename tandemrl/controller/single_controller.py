@@ -181,11 +181,6 @@ class SingleController:
         self._group_crash = asyncio.get_running_loop().create_future()
         if self.commit_log is not None and not self.commit_log.opened:
             self.commit_log.open(parent=None)  # not resumed through checkpoint.restore.resume
-        # Everything alive now (torch, Ray, the dataset) outlives the run: frozen, it is not
-        # rescanned by the collector's full passes (each one stalls both pumps for a scan of
-        # the whole startup heap, and the run's own allocations keep triggering them).
-        # Unfrozen when the run ends.
-        gc.freeze()
         rollout = asyncio.create_task(self._rollout_pump(), name="rollout_pump")
         train = asyncio.create_task(self._train_pump(), name="train_pump")
         background = [rollout]
@@ -200,6 +195,11 @@ class SingleController:
             background.append(
                 asyncio.create_task(self.checkpointer.snapshot_loop(self), name="snapshots")
             )
+        # Everything alive now (torch, Ray, the dataset) outlives the run: frozen, it is not
+        # rescanned by the collector's full passes (each one stalls both pumps for a scan of
+        # the whole startup heap, and the run's own allocations keep triggering them).
+        # Unfrozen when the run ends.
+        gc.freeze()
         try:
             pending: set[asyncio.Future[Any]] = {*background, train, self._group_crash}
             while train in pending:
@@ -208,8 +208,8 @@ class SingleController:
                     task.result()  # re-raises a pump's exception with its original traceback
             await self._final_checkpoint()
         finally:
-            await self.shutdown(*background, train)
             gc.unfreeze()
+            await self.shutdown(*background, train)
         return self.history
 
     async def shutdown(self, *tasks: asyncio.Task[Any]) -> None:
