@@ -314,6 +314,8 @@ class CommitLog:
         # torn record, and its name must not be reused.
         self._next_lsn = max([last, *(first for first, _ in segments)]) + 1
         self._durable_lsn = self._written_lsn = self._next_lsn - 1
+        # Created here, not by the thread: a second writer on the same folder fails at once.
+        self._new_segment(self._next_lsn)
         self._thread = threading.Thread(target=self._run, name="commit-log", daemon=True)
         self._thread.start()
         return self.append("open", parent=parent, **info)
@@ -448,7 +450,7 @@ class CommitLog:
         self._waiters = keep
 
     def _write(self, batch: list[dict[str, Any]], *, rotate: bool) -> None:
-        if self._segment_fd is None or rotate or self._segment_size >= self.segment_bytes:
+        if rotate or self._segment_size >= self.segment_bytes:
             self._new_segment(batch[0]["lsn"])
         data = b"".join(encode_record(record) for record in batch)
         view = memoryview(data)

@@ -54,6 +54,7 @@ def resolve_granularity(item: PromptItem, cfg: RolloutRecoveryConfig) -> Granula
 
 _RESULT_FIELDS = tuple(f.name for f in dataclasses.fields(GenerationResult))
 _ENV_RESULT_FIELDS = tuple(f.name for f in dataclasses.fields(EnvResult))
+_ITEM_FIELDS = tuple(f.name for f in dataclasses.fields(PromptItem))
 
 
 def staged_entry(sibling: StagedSibling) -> dict[str, Any]:
@@ -73,7 +74,7 @@ def group_entry(group: UnfinishedGroup, *, with_staged: bool) -> dict[str, Any]:
     if with_staged:
         staged = {str(index): staged_entry(sibling) for index, sibling in group.staged.items()}
     return {
-        "item": dataclasses.asdict(group.item),
+        "item": {name: getattr(group.item, name) for name in _ITEM_FIELDS},
         "group_id": group.group_id,
         "target_step": group.target_step,
         "start_weight": group.start_weight,

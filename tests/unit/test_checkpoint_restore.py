@@ -132,6 +132,8 @@ async def _produce(cfg) -> None:
     for _ in range(2):
         assert await controller.checkpointer.attempt_snapshot(controller) is not None
     controller.journal.close()
+    if controller.commit_log is not None:
+        controller.commit_log.close()
 
 
 @pytest.fixture(scope="module")
@@ -185,6 +187,8 @@ async def _resume_fresh(cfg, seed: int = 1):
     plan = plan_restore(cfg)
     summary = await resume(controller, plan)
     controller.journal.close()
+    if controller.commit_log is not None:
+        controller.commit_log.close()
     return plan, controller, summary
 
 
@@ -337,6 +341,8 @@ def _bootstrap_only(tmp_path: Path, *overrides: str) -> Path:
             )
         assert await controller.checkpointer.attempt_snapshot(controller) is not None
         controller.journal.close()
+        if controller.commit_log is not None:
+            controller.commit_log.close()
 
     asyncio.run(produce())
     assert (bootstrap_dir(root) / MANIFEST).is_file()
@@ -618,6 +624,8 @@ def test_a_later_write_sweeps_the_folders_of_interrupted_writes(ckpt):
         with pytest.raises(_Stop):
             await controller.run()
         controller.journal.close()
+        if controller.commit_log is not None:
+            controller.commit_log.close()
 
     asyncio.run(run_one_more_step())
     assert not stale_step.exists()
