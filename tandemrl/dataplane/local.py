@@ -114,8 +114,8 @@ class LocalDataPlane(DataPlane):
     async def put_block(self, block: RowBlock) -> None:
         # The block validated its ids and fields when it was built: only duplicates remain.
         stored = self._rows
-        duplicates = sorted(key for key in block.sample_ids if key in stored)
-        if duplicates:
+        if not stored.keys().isdisjoint(block.sample_ids):
+            duplicates = sorted(key for key in block.sample_ids if key in stored)
             raise DataPlaneError(
                 f"local data plane put: sample id(s) already stored: {', '.join(duplicates)} "
                 "(a sample id is written once; clear it before reusing it)"

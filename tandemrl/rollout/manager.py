@@ -232,8 +232,9 @@ class RolloutManager:
                 continue
             self.active_requests.pop(group.group_id, None)
             self.generated_siblings += len(results)
-            if any(result.finish_reason == "aborted" for result in results):
-                raise GroupAborted(group.group_id)
+            for result in results:
+                if result.finish_reason == "aborted":
+                    raise GroupAborted(group.group_id)
             failed_any = False
             finished = []
             for sibling, result, outcome in zip(
