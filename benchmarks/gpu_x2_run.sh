@@ -23,7 +23,7 @@ COMMON=(--length-cap 128 --steps 3)
     date -u
     nvidia-smi --query-gpu=index,name,memory.used,utilization.gpu --format=csv
     echo "=== GPU weight-sync tests (CUDA IPC on one GPU, NCCL across two)"
-    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/unit/test_weight_sync_gpu.py
+    timeout "${T_S:-60}" python3 -m pytest -q -p no:cacheprovider tests/unit/test_weight_sync_gpu.py
     echo "=== A: two GPUs"
     timeout "$A_S" python3 benchmarks/gpu_grpo.py --part ceilings grpo sync train \
         --placements two_gpus --sync-sizes 0.5b 1.5b --sync-nccl-only "${COMMON[@]}" \
