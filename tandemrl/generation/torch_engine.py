@@ -221,7 +221,14 @@ class TorchGenerationEngine(GenerationBackend):
         self._cache: DynamicCache | None = None
         self._mask: torch.Tensor | None = None  # [rows, cache length], 1 = real token
         self._needs_kv_rebuild = False
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandemrl-gen")
+        # The CUDA device is per thread: the step thread must run on the engine's device, or an
+        # engine on cuda:1 captures its graphs on cuda:0's stream (seen on the two-GPU machine).
+        self._executor = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="tandemrl-gen",
+            initializer=_bind_cuda_device,
+            initargs=(self.device,),
+        )
 
         # Static path: the decoder (cache + graphs) is built at the first step and dropped by
         # sleep; the slot count is fixed here, from the memory free now.
@@ -807,6 +814,12 @@ class TorchGenerationEngine(GenerationBackend):
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _bind_cuda_device(device: torch.device) -> None:
+    """Make ``device`` the calling thread's current CUDA device (no-op off CUDA)."""
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
 
 
 def _resolve(seq: _Sequence) -> None:
