@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -406,7 +407,7 @@ def leave_process_group() -> None:
         dist.destroy_process_group()
 
 
-class WeightSenderHost:
+class WeightSenderHost(ABC):
     """Trainer-side methods of the remote transports (a mixin; see the module docstring).
 
     A host class provides ``_weight_sync_model()`` and may override ``_weight_sync_run`` to
@@ -417,8 +418,9 @@ class WeightSenderHost:
     _weight_sender: FlatWeightSender | None = None
     _weight_store: Any = None
 
+    @abstractmethod
     def _weight_sync_model(self) -> torch.nn.Module:
-        raise NotImplementedError
+        """The model whose parameters the flat buffer carries."""
 
     async def _weight_sync_run(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.to_thread(fn, *args)
@@ -482,7 +484,7 @@ class LocalWeightSender(WeightSenderHost):
         return self._sender().model
 
 
-class WeightReceiverHost:
+class WeightReceiverHost(ABC):
     """Generation-side methods of the remote transports (a mixin; see the module docstring).
 
     A host class has ``update_weights(version, weights)`` and an ``engine`` with ``device``
@@ -493,8 +495,9 @@ class WeightReceiverHost:
     _weight_receiver: FlatWeightReceiver | None = None
     engine: Any
 
+    @abstractmethod
     async def update_weights(self, version: int, weights: Any) -> None:
-        raise NotImplementedError
+        """Load ``weights`` (a state dict of views) into the engine as ``version``."""
 
     def _weight_sync_device(self) -> torch.device:
         device = torch.device(self.engine.device)
