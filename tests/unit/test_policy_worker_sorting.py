@@ -7,59 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from test_policy_worker import build_tiny_qwen2, grads, make_batch
+from test_policy_worker import make_worker as make_policy_worker
 
-from tandemrl.config.models import LossConfig, PolicyConfig
-from tandemrl.training.batch import collate_rows, make_training_row
 from tandemrl.training.policy_worker import PolicyWorker, sort_rows_by_length
-
-VOCAB = 16
-
-
-def build_tiny_qwen2(folder: Path) -> Path:
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=2,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        Qwen2ForCausalLM(config).save_pretrained(folder)
-    return folder
 
 
 def make_worker(model_dir: Path, micro_batch: int) -> PolicyWorker:
-    cfg = PolicyConfig(model_name=str(model_dir), train_micro_batch_size=micro_batch, device="cpu")
-    return PolicyWorker(cfg, LossConfig(entropy_coef=0.005), seed=0)
-
-
-def make_batch(worker: PolicyWorker | None = None, num: int = 6, seed: int = 0):
-    """Rows of different prompt and completion lengths (so sorting reorders them)."""
-    gen = torch.Generator().manual_seed(seed)
-    rows = []
-    for i in range(num):
-        prompt = torch.randint(3, VOCAB, (2 + i % 3,), generator=gen)
-        completion = torch.randint(3, VOCAB, (3 + i % 2,), generator=gen)
-        logprobs = -torch.rand(completion.numel(), generator=gen) - 1.0
-        row = make_training_row(prompt, completion, logprobs, reward=float(i % 2), sample_mask=1.0)
-        row["advantages"] = torch.tensor(1.0 if i % 2 else -1.0)
-        rows.append(row)
-    batch = collate_rows(rows, pad_token_id=0)
-    if worker is not None:
-        batch["prev_logprobs"] = asyncio.run(worker.get_logprobs(batch))
-    return batch
-
-
-def grads(worker: PolicyWorker) -> dict[str, torch.Tensor]:
-    return {n: p.grad.clone() for n, p in worker.model.named_parameters() if p.grad is not None}
+    return make_policy_worker(model_dir, train_micro_batch_size=micro_batch)
 
 
 @pytest.fixture(scope="module")
