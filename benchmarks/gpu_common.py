@@ -346,3 +346,27 @@ def device_plan(cfg: Any, *, num_gpus: int, engine_processes: bool) -> DevicePla
     engines = [f"cuda:{index}" for index in range(1, generation_gpus + 1)]
     # Engines in this process read the trainer's buffer by peer copy; others join NCCL.
     return DevicePlan("cuda:0", engines, "nccl" if engine_processes else "device")
+
+
+def make_train_batch(
+    lengths: list[int], vocab: int, seed: int, *, prompt_tokens: int
+) -> dict[str, torch.Tensor]:
+    """A GRPO training batch of random rows of ``lengths``; the first ``prompt_tokens`` are masked."""
+    generator = torch.Generator().manual_seed(seed)
+    rows, width = len(lengths), max(lengths)
+    input_ids = torch.zeros(rows, width, dtype=torch.long)
+    attention = torch.zeros(rows, width, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        input_ids[row, :length] = torch.randint(3, vocab, (length,), generator=generator)
+        attention[row, :length] = 1
+    token_mask = attention.float()
+    token_mask[:, :prompt_tokens] = 0
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention,
+        "token_mask": token_mask,
+        "sample_mask": torch.ones(rows),
+        "advantages": torch.randn(rows, 1, generator=generator).expand(rows, width).contiguous(),
+        "generation_logprobs": -torch.rand(rows, width, generator=generator) * token_mask,
+        "prev_logprobs": -torch.rand(rows, width, generator=generator) * token_mask,
+    }

@@ -52,6 +52,7 @@ from gpu_common import (
     build_model_folder,
     device_plan,
     make_engine_host,
+    make_train_batch,
 )
 
 from tandemrl.config.loader import load_config
@@ -246,27 +247,6 @@ def training_flops(params: int, config: Any, lengths: list[int]) -> float:
     return 6 * params * sum(lengths) + attention
 
 
-def make_train_batch(lengths: list[int], vocab: int, seed: int) -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    rows, width = len(lengths), max(lengths)
-    input_ids = torch.zeros(rows, width, dtype=torch.long)
-    attention = torch.zeros(rows, width, dtype=torch.long)
-    for row, length in enumerate(lengths):
-        input_ids[row, :length] = torch.randint(3, vocab, (length,), generator=generator)
-        attention[row, :length] = 1
-    token_mask = attention.float()
-    token_mask[:, :PROMPT_PREFIX_TOKENS] = 0
-    return {
-        "input_ids": input_ids,
-        "attention_mask": attention,
-        "token_mask": token_mask,
-        "sample_mask": torch.ones(rows),
-        "advantages": torch.randn(rows, 1, generator=generator).expand(rows, width).contiguous(),
-        "generation_logprobs": -torch.rand(rows, width, generator=generator) * token_mask,
-        "prev_logprobs": -torch.rand(rows, width, generator=generator) * token_mask,
-    }
-
-
 def grpo_config(folder: Path, args: argparse.Namespace, overrides: list[str] = ()) -> Any:
     n, g = args.prompts_per_step, args.group_size
     base = [
@@ -301,7 +281,9 @@ def part_train(folder: Path, device: torch.device, args: argparse.Namespace, pea
         worker = PolicyWorker(cfg.policy, cfg.loss_fn, model_path=folder)
         params = sum(p.numel() for p in worker.model.parameters())
         config = worker.model.config
-        batch = make_train_batch(lengths, config.vocab_size, seed=1)
+        batch = make_train_batch(
+            lengths, config.vocab_size, seed=1, prompt_tokens=PROMPT_PREFIX_TOKENS
+        )
 
         async def step(worker: PolicyWorker = worker, batch: dict = batch) -> None:
             await worker.begin_train_step()

@@ -42,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_common import LongTail, build_model_folder
+from gpu_common import LongTail, build_model_folder, make_train_batch
 
 from tandemrl.config.loader import load_config
 from tandemrl.training import logprob_head, policy_worker
@@ -78,27 +78,6 @@ def matmul_ceiling(size: int = 8192) -> float:
         if repeat >= 3:
             times.append(start.elapsed_time(end) / 1e3)
     return 2 * size**3 / statistics.median(times) / 1e12
-
-
-def make_batch(lengths: list[int], vocab: int, seed: int) -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    rows, width = len(lengths), max(lengths)
-    input_ids = torch.zeros(rows, width, dtype=torch.long)
-    attention = torch.zeros(rows, width, dtype=torch.long)
-    for row, length in enumerate(lengths):
-        input_ids[row, :length] = torch.randint(3, vocab, (length,), generator=generator)
-        attention[row, :length] = 1
-    token_mask = attention.float()
-    token_mask[:, :PROMPT_TOKENS] = 0
-    return {
-        "input_ids": input_ids,
-        "attention_mask": attention,
-        "token_mask": token_mask,
-        "sample_mask": torch.ones(rows),
-        "advantages": torch.randn(rows, 1, generator=generator).expand(rows, width).contiguous(),
-        "generation_logprobs": -torch.rand(rows, width, generator=generator) * token_mask,
-        "prev_logprobs": -torch.rand(rows, width, generator=generator) * token_mask,
-    }
 
 
 def flops(model: torch.nn.Module, lengths: list[int], loss_tokens: int) -> dict[str, float]:
@@ -285,7 +264,7 @@ def main() -> None:
     tail = LongTail(median=args.median, sigma=0.6, minimum=64, cap=args.cap)
     lengths = [tail.length(f"t{i}") for i in range(args.sequences)]
     vocab = worker.model.config.vocab_size
-    batch = make_batch(lengths, vocab, seed=1)
+    batch = make_train_batch(lengths, vocab, seed=1, prompt_tokens=PROMPT_TOKENS)
     loss_tokens = count_loss_tokens(batch)
     work = flops(worker.model, lengths, loss_tokens)
     summary: dict[str, Any] = {
@@ -296,7 +275,9 @@ def main() -> None:
         **{f"flops_{k}": v for k, v in work.items()},
     }
     try:
-        summary["check"] = check_head(worker, make_batch(lengths[:8], vocab, seed=7))
+        summary["check"] = check_head(
+            worker, make_train_batch(lengths[:8], vocab, seed=7, prompt_tokens=PROMPT_TOKENS)
+        )
     except Exception as exc:
         summary["check"] = {"error": repr(exc)}
         traceback.print_exc()
