@@ -239,7 +239,7 @@ class SingleController:
 
         while not self._stopping:
             self._fill_replacement_reserve()
-            if self._peek_prompt() is None:
+            if not self._has_prompt():
                 break
             await self._wait_for_room()
             self.waiting_on["rollout"] = "sampler.admit (staleness gate)"
@@ -281,11 +281,8 @@ class SingleController:
         if drawn and self.commit_recorder is not None:
             self.commit_recorder.reserve_filled()
 
-    def _peek_prompt(self) -> PromptItem | None:
-        item = self.dataloader.peek()
-        if item is None and self._replacement_reserve:
-            return self._replacement_reserve[0]
-        return item
+    def _has_prompt(self) -> bool:
+        return not self.dataloader.exhausted or bool(self._replacement_reserve)
 
     def _take_prompt(self) -> PromptItem | None:
         item = self.dataloader.next_item()
