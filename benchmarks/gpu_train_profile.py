@@ -9,10 +9,13 @@ train_microbatches -> finish, synchronised) after one warm-up step.
 Variants: ``logits`` (the full-logits head: float32 [tokens, vocab] logprobs), ``head``
 (``logprob_head``: chunked bf16 head at the loss positions only, fused passes compiled),
 ``head_eager`` (the same without torch.compile), micro-batch sizes, activation checkpointing,
-and ``compiled_layers`` (torch.compile of every decoder layer).
+``compiled_layers`` (torch.compile of every decoder layer), and ``packed_*`` (padding-free
+micro-batches: ``policy.sequence_packing``, rows packed into one sequence with varlen
+attention, micro-batches cut by real tokens); every other variant runs padded micro-batches.
 
 Checks before timing (fresh random data): head vs full-logits logprobs and parameter
-gradients on one micro-batch, relative error ||a - b|| / ||b||.
+gradients on one micro-batch, relative error ||a - b|| / ||b||; packed vs padded micro-batch
+(both through the head): the same errors.
 
 FLOPs: ``conventional`` = 6 · N · tokens + 6 · layers · hidden · Σ len² (N counts the tied
 embedding once, as the lm_head product); ``performed`` counts the head product
@@ -127,6 +130,34 @@ def check_head(worker: PolicyWorker, batch: dict[str, torch.Tensor]) -> dict[str
     }
 
 
+def check_packing(worker: PolicyWorker, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Packed vs padded forward/backward of one micro-batch (bf16): logprobs and gradients."""
+    micro = trim_padding(sort_rows_by_length(batch)[0])
+    mask = micro["token_mask"].to(worker.device)
+    results: dict[bool, Any] = {}
+    for packed in (True, False):
+        worker.optimizer.zero_grad(set_to_none=True)
+        prepared = worker._prepare(micro, micro["token_mask"] > 0, packed)
+        logprobs, _ = worker._forward(prepared, entropy="none")
+        (logprobs * mask).sum().backward()
+        grads = {
+            name: p.grad.detach().float().clone()
+            for name, p in worker.model.named_parameters()
+            if p.grad is not None
+        }
+        results[packed] = ((logprobs * mask).detach(), grads)
+    worker.optimizer.zero_grad(set_to_none=True)
+    packed, padded = results[True], results[False]
+    grad_errors = {name: relative_error(packed[1][name], padded[1][name]) for name in padded[1]}
+    return {
+        "logprobs_rel_err": relative_error(packed[0], padded[0]),
+        "logprobs_max_abs": float((packed[0] - padded[0]).abs().max()),
+        "grad_rel_err_max": max(grad_errors.values()),
+        "grad_rel_err_median": statistics.median(grad_errors.values()),
+        "finite": bool(torch.isfinite(packed[0]).all()),
+    }
+
+
 def time_steps(worker: PolicyWorker, batch: dict[str, torch.Tensor], repeats: int) -> dict:
     async def step() -> dict[str, float]:
         await worker.begin_train_step()
@@ -187,8 +218,8 @@ def phase_marks(marks: dict[str, list[float]]):
         finally:
             marks.setdefault("metrics_end", []).append(time.perf_counter())
 
-    def prepare(self, micro, needed):
-        result = original_prepare(self, micro, needed)
+    def prepare(self, micro, needed, *args):
+        result = original_prepare(self, micro, needed, *args)
         # The last call of a step wins: overwrite this step's entry.
         times = marks.setdefault("prepared", [])
         if len(times) == len(marks["step_start"]):
@@ -206,8 +237,12 @@ def phase_marks(marks: dict[str, list[float]]):
         PolicyWorker._prepare = original_prepare
 
 
-def padded_tokens(batch: dict[str, torch.Tensor], micro: int, tokens: int | None) -> int:
+def padded_tokens(
+    batch: dict[str, torch.Tensor], micro: int, tokens: int | None, packed: bool = False
+) -> int:
     ordered, _ = sort_rows_by_length(batch)
+    if packed:
+        return int(ordered["attention_mask"].sum())
     return sum(
         part["input_ids"].shape[0] * int(part["attention_mask"].sum(1).max())
         for part in split_by_rows_and_tokens(ordered, micro, tokens)
@@ -237,6 +272,10 @@ def main() -> None:
             "compiled_tok32k",
             "compiled_tok48k",
             "compiled_mb64",
+            "packed_tok32k",
+            "compiled_packed_tok16k",
+            "compiled_packed_tok32k",
+            "compiled_packed_all",
         ],
     )
     args = parser.parse_args()
@@ -257,6 +296,8 @@ def main() -> None:
             f"policy.max_total_sequence_length={args.cap}",
             "policy.optimizer.lr=1.0e-6",
             "loss_fn.entropy_coef=0.0",
+            # CPU smoke runs pack through the reference attention.
+            f"policy.sequence_packing={'auto' if cuda else 'on'}",
         ),
     )
     worker = PolicyWorker(cfg.policy, cfg.loss_fn, model_path=folder)
@@ -282,6 +323,16 @@ def main() -> None:
         summary["check"] = {"error": repr(exc)}
         traceback.print_exc()
     log(f"check: {summary['check']}")
+    if worker.sequence_packing:
+        try:
+            summary["check_packing"] = check_packing(
+                worker, make_train_batch(lengths[:8], vocab, seed=7, prompt_tokens=PROMPT_TOKENS)
+            )
+        except Exception as exc:
+            summary["check_packing"] = {"error": repr(exc)}
+            traceback.print_exc()
+        log(f"check packing: {summary['check_packing']}")
+    packing_available = worker.sequence_packing
 
     settings = {
         "head": {},
@@ -297,6 +348,29 @@ def main() -> None:
         "compiled_tok32k": {"compile_layers": True, "micro": 64, "tokens": 32768},
         "compiled_tok48k": {"compile_layers": True, "micro": 64, "tokens": 49152},
         "compiled_mb64": {"compile_layers": True, "micro": 64},
+        # Packed micro-batches (policy.sequence_packing); "tokens" then counts real tokens.
+        "packed_tok16k": {"packing": True, "micro": 64, "tokens": 16384},
+        "packed_tok32k": {"packing": True, "micro": 64, "tokens": 32768},
+        "packed_all": {"packing": True, "micro": 64},
+        "compiled_packed_tok8k": {
+            "compile_layers": True,
+            "packing": True,
+            "micro": 64,
+            "tokens": 8192,
+        },
+        "compiled_packed_tok16k": {
+            "compile_layers": True,
+            "packing": True,
+            "micro": 64,
+            "tokens": 16384,
+        },
+        "compiled_packed_tok32k": {
+            "compile_layers": True,
+            "packing": True,
+            "micro": 64,
+            "tokens": 32768,
+        },
+        "compiled_packed_all": {"compile_layers": True, "packing": True, "micro": 64},
     }
     rows = []
     for name in args.variants:
@@ -318,6 +392,11 @@ def main() -> None:
         worker.cfg.train_micro_batch_size = micro
         worker.cfg.train_micro_batch_tokens = tokens
         worker.use_head_logprobs = change.get("use_head_logprobs", True)
+        packing = change.get("packing", False)
+        if packing and not packing_available:
+            rows.append({"variant": name, "error": "sequence packing unavailable here"})
+            continue
+        worker.sequence_packing = packing
         logprob_head.COMPILE_ON_CUDA = change.get("compile_head", True)
         if change.get("checkpointing"):
             worker.model.gradient_checkpointing_enable()
@@ -325,7 +404,8 @@ def main() -> None:
             "variant": name,
             "micro": micro,
             "tokens_budget": tokens,
-            "padded": padded_tokens(batch, micro, tokens),
+            "packed": packing,
+            "padded": padded_tokens(batch, micro, tokens, packing),
         }
         try:
             row.update(time_steps(worker, batch, args.repeats))
@@ -335,6 +415,9 @@ def main() -> None:
         except Exception as exc:
             row["error"] = repr(exc)[:500]
             traceback.print_exc()
+            # Close the failed step so that the next variant can begin one.
+            worker._step.active = False
+            worker.optimizer.zero_grad(set_to_none=True)
         if change.get("checkpointing"):
             worker.model.gradient_checkpointing_disable()
         rows.append(row)
@@ -350,6 +433,7 @@ def main() -> None:
         best = min(timed, key=lambda r: r["step_s"])
         worker.cfg.train_micro_batch_size = best["micro"]
         worker.cfg.train_micro_batch_tokens = best["tokens_budget"]
+        worker.sequence_packing = best["packed"]
         worker.use_head_logprobs = True
         logprob_head.COMPILE_ON_CUDA = True
 

@@ -137,11 +137,24 @@ class PolicyConfig(Strict):
     scheduler: SchedulerConfig = SchedulerConfig()
     offload_optimizer_for_logprob: bool = False
     # Padded-token budget of one training micro-batch (rows x longest row, rows sorted by
-    # length); None: train_micro_batch_size rows each. When set, both limits apply.
+    # length; real tokens when the rows are packed, see sequence_packing); None:
+    # train_micro_batch_size rows each. When set, both limits apply.
     train_micro_batch_tokens: int | None = Field(None, ge=1)
     # torch.compile every decoder layer of the trainer (dynamic shapes; pays on CUDA, where
     # it fuses the elementwise work between the matrix products).
     compile_layers: bool = False
+    # Padding-free training micro-batches: each micro-batch's rows packed into one sequence
+    # with attention kept within rows (tandemrl/training/packing.py); the token budget then
+    # counts real tokens. "auto": on where it pays (CUDA with torch's varlen attention and a
+    # supported model), "on": always (CPU uses a reference attention; an unsupported model
+    # is refused), "off": padded micro-batches.
+    sequence_packing: Literal["auto", "on", "off"] = "auto"
+
+    @field_validator("sequence_packing", mode="before")
+    @classmethod
+    def _yaml_packing_switch(cls, value: Any) -> Any:
+        # YAML 1.1 reads a bare on/off as a boolean.
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
 
 # --------------------------------------------------------------------------- algorithms

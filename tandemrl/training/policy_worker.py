@@ -29,7 +29,10 @@ they come from ``logprob_head.head_logprobs``: only at the positions that need t
 positions in training, real tokens in ``get_logprobs``), chunked, never materialising float32
 [tokens, vocab] logits; other models take the full-logits path. Right-padded micro-batches run
 without the padding mask (causal attention already ignores trailing padding), so attention
-takes the fused causal kernel.
+takes the fused causal kernel. With ``policy.sequence_packing`` (on CUDA by default) they run
+without the padding at all: each micro-batch's rows are packed into one sequence with
+attention kept within rows (``tandemrl.training.packing``), micro-batches are cut by real
+tokens (``train_micro_batch_tokens``), and the loss sees the same [b, l] logprobs.
 
 ``prev_logprobs`` may be absent from a train batch only with
 ``loss_fn.reuse_training_logprobs``: each micro-batch then uses its own training logprobs,
@@ -71,6 +74,14 @@ from tandemrl.training.api import TrainBatch
 from tandemrl.training.batch import count_loss_tokens, loss_mask, split_microbatches, trim_padding
 from tandemrl.training.logprob_head import head_logprobs, supports_head_logprobs
 from tandemrl.training.losses import metrics_to_floats, policy_loss_terms, token_entropy
+from tandemrl.training.packing import (
+    PackedRows,
+    pack_rows,
+    packing_blocker,
+    split_packed,
+    use_packed_attention,
+    varlen_attention_available,
+)
 from tandemrl.training.worker_common import (
     CheckpointError,
     OptimizerOffload,
@@ -146,15 +157,19 @@ class Micro:
     """One micro-batch on the device, with what the logprob head needs.
 
     ``needed``: the flat indices (into [b, l]) of the positions whose logprob is computed;
-    ``targets``: the token at each; the head reads the hidden state one position earlier.
-    ``model_mask``: the attention mask to pass to the model (for right-padded rows a
-    mapping that tells transformers to use plain causal attention, or None).
+    ``targets``: the token at each; ``hidden_index``: the row of the model's flattened last
+    hidden states that predicts each (one position earlier, in the packed sequence when the
+    rows are packed). ``model_inputs``: what the model's forward takes: the padded
+    ``input_ids`` with their attention mask (for right-padded rows a mapping that tells
+    transformers to use plain causal attention, or None), or the packed sequence with its
+    position ids and row boundaries.
     """
 
     batch: TrainBatch
     needed: torch.Tensor
     targets: torch.Tensor
-    model_mask: torch.Tensor | dict[str, None] | None
+    hidden_index: torch.Tensor
+    model_inputs: dict[str, Any]
 
 
 def split_by_rows_and_tokens(
@@ -184,6 +199,20 @@ def split_by_rows_and_tokens(
             for key, value in batch.items()
         }
         for lo, hi in bounds
+    ]
+
+
+def split_packed_rows(batch: TrainBatch, max_rows: int, max_tokens: int | None) -> list[TrainBatch]:
+    """Consecutive micro-batches for packing: at most ``max_rows`` rows and, when set, at most
+    ``max_tokens`` real tokens each (``packing.split_packed``)."""
+    lengths = batch["attention_mask"].sum(dim=1).tolist()
+    size = batch["input_ids"].shape[0]
+    return [
+        {
+            key: value[lo:hi] if value.dim() > 0 and value.shape[0] == size else value
+            for key, value in batch.items()
+        }
+        for lo, hi in split_packed(lengths, max_rows, max_tokens)
     ]
 
 
@@ -243,6 +272,9 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
         # at every forward) and attention runs the plain causal kernel.
         layer_types = set(getattr(self.model.config, "layer_types", None) or ["full_attention"])
         self._no_mask = {"full_attention": None} if layer_types == {"full_attention"} else None
+        self.sequence_packing = self._resolve_packing(policy_cfg.sequence_packing)
+        if self.sequence_packing:
+            use_packed_attention(self.model)
         if policy_cfg.compile_layers:
             for layer in self._decoder_layers():
                 layer.compile(dynamic=True)
@@ -255,6 +287,27 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
         self._executor = SerialExecutor()
         self.optimizer_steps = 0
         self._process_cpu_mark = time.process_time()
+
+    def _resolve_packing(self, setting: str) -> bool:
+        """``policy.sequence_packing`` for this model and device (see PolicyConfig)."""
+        if setting == "off":
+            return False
+        blocker = packing_blocker(self.model)
+        if blocker is None and not self.use_head_logprobs:
+            blocker = "its logits are not a plain lm_head of the last hidden state"
+        if blocker is None and self._no_mask is None:
+            blocker = "it has attention layers other than full attention"
+        if setting == "on":
+            if blocker is not None:
+                raise ValueError(
+                    f"policy.sequence_packing: on cannot pack this model ({blocker}); "
+                    "set it to auto or off"
+                )
+            return True
+        # auto: only where the flash kernel runs (CUDA, half-precision compute); the reference
+        # attention of other devices builds a [tokens, tokens] mask and is slower than padding.
+        half = self.autocast_dtype in (torch.float16, torch.bfloat16)
+        return blocker is None and half and varlen_attention_available()
 
     def _decoder_layers(self) -> torch.nn.ModuleList:
         layers = getattr(self.model.base_model, "layers", None)
@@ -294,28 +347,50 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
                 f"{self.cfg.max_total_sequence_length}"
             )
 
-    def _split(self, batch: TrainBatch) -> list[TrainBatch]:
-        return split_by_rows_and_tokens(
-            batch, self.cfg.train_micro_batch_size, self.cfg.train_micro_batch_tokens
-        )
+    def _packs(self, batch: TrainBatch) -> bool:
+        """Whether ``batch``'s micro-batches run packed (right-padded rows only: packed
+        positions restart at 0 per row, as a right-padded row's do; every row non-empty)."""
+        mask = batch["attention_mask"]
+        return self.sequence_packing and is_right_padded(mask) and bool((mask[:, 0] != 0).all())
 
-    def _prepare(self, micro: TrainBatch, needed: torch.Tensor) -> Micro:
+    def _split(self, batch: TrainBatch, packed: bool) -> list[TrainBatch]:
+        split = split_packed_rows if packed else split_by_rows_and_tokens
+        return split(batch, self.cfg.train_micro_batch_size, self.cfg.train_micro_batch_tokens)
+
+    def _prepare(self, micro: TrainBatch, needed: torch.Tensor, packed: bool = False) -> Micro:
         """Move a (trimmed, CPU) micro-batch to the device with its head indices.
 
         ``needed`` [b, l] bool: positions whose logprob matters (entry 0 never does). All
         index arithmetic happens here on the host, so the forward never waits for the device.
+        ``packed``: the rows go to the model as one packed sequence (``packing.pack_rows``).
         """
         needed = needed.clone()
         needed[:, 0] = False
         index = needed.reshape(-1).nonzero().squeeze(1)
         targets = micro["input_ids"].reshape(-1).index_select(0, index)
         batch = self._to_device(micro)
-        right_padded = is_right_padded(micro["attention_mask"])
+        if packed:
+            rows: PackedRows = pack_rows(micro["input_ids"], micro["attention_mask"])
+            hidden_index = rows.packed_index(index, micro["input_ids"].shape[1]) - 1
+            rows = rows.to(self.device)
+            model_inputs = {
+                "input_ids": rows.input_ids,
+                "attention_mask": self._no_mask,
+                **rows.model_kwargs(),
+            }
+        else:
+            hidden_index = index - 1
+            right_padded = is_right_padded(micro["attention_mask"])
+            model_inputs = {
+                "input_ids": batch["input_ids"],
+                "attention_mask": self._no_mask if right_padded else batch["attention_mask"],
+            }
         return Micro(
             batch=batch,
             needed=index.to(self.device),
             targets=targets.to(self.device),
-            model_mask=self._no_mask if right_padded else batch["attention_mask"],
+            hidden_index=hidden_index.to(self.device),
+            model_inputs=model_inputs,
         )
 
     def _forward(self, micro: Micro, *, entropy: str) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -329,10 +404,8 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
         input_ids = micro.batch["input_ids"]
         rows, length = input_ids.shape
         with autocast(self.device, self.autocast_dtype):
-            hidden = self.model.base_model(
-                input_ids=input_ids, attention_mask=micro.model_mask, use_cache=False
-            ).last_hidden_state
-        hidden = hidden.reshape(rows * length, -1).index_select(0, micro.needed - 1)
+            hidden = self.model.base_model(**micro.model_inputs, use_cache=False).last_hidden_state
+        hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, micro.hidden_index)
         compute_dtype = self.autocast_dtype or torch.float32
         logprobs, token_entropy_ = head_logprobs(
             hidden.to(compute_dtype),
@@ -373,12 +446,13 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
         self.model.eval()
         batch, order = sort_rows_by_length(batch)
         out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32, device=self.device)
-        micros = [trim_padding(micro) for micro in self._split(batch)]
+        packed = self._packs(batch)
+        micros = [trim_padding(micro) for micro in self._split(batch, packed)]
         start = 0
         with torch.no_grad():
             for micro in micros:
                 size, length = micro["input_ids"].shape
-                prepared = self._prepare(micro, micro["attention_mask"] != 0)
+                prepared = self._prepare(micro, micro["attention_mask"] != 0, packed)
                 logprobs, _ = self._forward(prepared, entropy="none")
                 mask = prepared.batch["attention_mask"].to(logprobs.dtype)
                 out[start : start + size, :length] = logprobs * mask
@@ -410,9 +484,10 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
         batch, _ = sort_rows_by_length(batch)
         # Everything the loop needs is cut and moved up front: the loop itself queues work
         # for the device and never waits on it; the metrics come back in one transfer.
+        packed = self._packs(batch)
         micros = [
-            self._prepare(micro, loss_mask(micro) > 0)
-            for micro in map(trim_padding, self._split(batch))
+            self._prepare(micro, loss_mask(micro) > 0, packed)
+            for micro in map(trim_padding, self._split(batch, packed))
             if count_loss_tokens(micro) > 0  # the others add exactly 0 to loss and gradient
         ]
         entropy_mode = "grad" if self.loss_cfg.entropy_coef > 0 else "metric"
