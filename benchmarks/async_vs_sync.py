@@ -26,6 +26,7 @@ import json
 import os
 import statistics
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,107 @@ MODES = {
 }
 
 
+class ProcessCpuMeter:
+    """CPU seconds per training step of every process this benchmark started, by role.
+
+    A thread reads ``/proc`` every ``POLL_S``: the descendants of this process (Ray's GCS and
+    raylet, the actor processes, Ray's helpers) and the process itself, keyed by role (an
+    actor's class from its ``ray::Class.method`` title, otherwise the program's name). It also
+    counts the lines of the run's ``metrics.jsonl``: the window runs from the poll that first
+    sees ``WARMUP_STEPS`` finished steps to the last-but-one poll that saw a new step, so
+    start-up (Ray, model loading) and shutdown are left out. CPU seconds, unlike wall time, barely move when other work loads the cores.
+    """
+
+    POLL_S = 0.5
+
+    def __init__(self, metrics_path: Path) -> None:
+        self.metrics_path = metrics_path
+        self._ticks = os.sysconf("SC_CLK_TCK")
+        self._start: tuple[int, dict[int, tuple[str, float]]] | None = None
+        self._last: tuple[int, dict[int, tuple[str, float]]] | None = None
+        self._newest: tuple[int, dict[int, tuple[str, float]]] | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="cpu-meter", daemon=True)
+
+    def __enter__(self) -> ProcessCpuMeter:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _steps(self) -> int:
+        try:
+            return self.metrics_path.read_bytes().count(b"\n")
+        except FileNotFoundError:
+            return 0
+
+    def _read(self) -> dict[int, tuple[str, float]]:
+        parents: dict[int, int] = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    stat = Path(f"/proc/{entry}/stat").read_text()
+                except OSError:
+                    continue
+                parents[int(entry)] = int(stat[stat.rindex(")") + 2 :].split()[1])
+        ours = {os.getpid()}
+        grew = True
+        while grew:
+            children = {pid for pid, parent in parents.items() if parent in ours} - ours
+            grew = bool(children)
+            ours |= children
+        usage: dict[int, tuple[str, float]] = {}
+        for pid in ours:
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if not any(cmdline):  # a zombie or a kernel thread
+                continue
+            fields = stat[stat.rindex(")") + 2 :].split()
+            cpu = (int(fields[11]) + int(fields[12])) / self._ticks  # utime + stime
+            usage[pid] = (self._role(pid, cmdline), cpu)
+        return usage
+
+    @staticmethod
+    def _role(pid: int, cmdline: list[bytes]) -> str:
+        if pid == os.getpid():
+            return "driver"
+        title = cmdline[0].decode(errors="replace")
+        if title.startswith("ray::"):
+            return title[5:].split(".")[0].split()[0]
+        words = [w.decode(errors="replace") for w in cmdline if w]
+        scripts = [w for w in words if w.endswith(".py")]
+        return Path(scripts[0] if scripts else words[0] if words else "?").name
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.POLL_S):
+            steps = self._steps()
+            usage = self._read()
+            if self._start is None:
+                if steps >= WARMUP_STEPS:
+                    self._start = (steps, usage)
+            elif steps > (self._newest[0] if self._newest else self._start[0]):
+                # The window ends one new-step poll before the newest: the newest may have
+                # caught the actors already exiting (the last steps arrive as Ray shuts down).
+                self._last, self._newest = self._newest, (steps, usage)
+
+    def per_step(self) -> dict[str, float]:
+        """Role -> CPU seconds per step over the measured window (empty if too short)."""
+        if self._start is None or self._last is None or self._last[0] <= self._start[0]:
+            return {}
+        steps = self._last[0] - self._start[0]
+        start = self._start[1]
+        by_role: dict[str, float] = {}
+        for pid, (role, cpu) in self._last[1].items():
+            before = start[pid][1] if pid in start else 0.0
+            by_role[role] = by_role.get(role, 0.0) + (cpu - before) / steps
+        return dict(sorted(by_role.items(), key=lambda item: -item[1]))
+
+
 def run_mode(
     config: str,
     overrides: tuple[str, ...],
@@ -50,7 +152,7 @@ def run_mode(
     generation_batch: int,
     reuse_logprobs: bool = True,
     seed: int = 42,
-) -> list[dict]:
+) -> tuple[list[dict], dict[str, float]]:
     cfg = load_config(
         config,
         (
@@ -65,11 +167,13 @@ def run_mode(
             "logger.plot=false",
         ),
     )
-    run_training(cfg)
-    return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+    with ProcessCpuMeter(log_dir / "metrics.jsonl") as meter:
+        run_training(cfg)
+    rows = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+    return rows, meter.per_step()
 
 
-def summarize(rows: list[dict]) -> dict[str, Any]:
+def summarize(rows: list[dict], cpu_per_step: dict[str, float]) -> dict[str, Any]:
     steady = rows[WARMUP_STEPS:]
     step_time = statistics.mean(row["step_time_s"] for row in steady)
     tail = rows[-20:]
@@ -83,6 +187,8 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
         # CPU seconds of the trainer process per step (all its work: train, export): a
         # load-independent measure of the trainer side.
         "trainer_cpu_s": statistics.mean(row.get("train/process_cpu_s", 0.0) for row in steady),
+        # Every process's CPU seconds per step, by role, read from /proc (ProcessCpuMeter).
+        "cpu_per_step": cpu_per_step,
         # The learning curve at equal steps: mean reward of each quarter of the run.
         "reward_quarters": [
             round(statistics.mean(row["reward_mean"] for row in part), 3)
@@ -112,7 +218,7 @@ def main() -> None:
             config, overrides = MODES[mode]
             log_dir = Path(tmp) / mode
             results[mode] = summarize(
-                run_mode(
+                *run_mode(
                     config,
                     overrides,
                     args.steps,
@@ -130,6 +236,14 @@ def main() -> None:
             f"{mode:10s} {r['steps_per_s']:8.2f} {r['tokens_per_s']:8.0f} {r['reward_last20']:10.3f} "
             f"{r['train_idle']:10.2f} {r['rollout_idle']:9.2f} {r['trainer_cpu_s']:15.3f}s"
         )
+    for mode, r in results.items():
+        cpu = r["cpu_per_step"]
+        print(
+            f"{mode:10s} CPU s/step: total {sum(cpu.values()):.3f}  "
+            + "  ".join(
+                f"{role} {seconds:.3f}" for role, seconds in cpu.items() if seconds >= 0.001
+            )
+        )
     result: dict[str, object] = {
         "steps": args.steps,
         "generation_batch": args.generation_batch,
@@ -144,6 +258,10 @@ def main() -> None:
         result[f"steps_per_s_{mode}"] = round(r["steps_per_s"], 3)
         result[f"weight_sync_s_{mode}"] = round(r["weight_sync_s"], 4)
         result[f"trainer_cpu_s_per_step_{mode}"] = round(r["trainer_cpu_s"], 4)
+        result[f"cpu_s_per_step_{mode}"] = {
+            role: round(seconds, 4) for role, seconds in r["cpu_per_step"].items()
+        }
+        result[f"cpu_s_per_step_total_{mode}"] = round(sum(r["cpu_per_step"].values()), 4)
     if "sync" in results:
         sync = results["sync"]["steps_per_s"]
         result["sync_train_idle"] = round(results["sync"]["train_idle"], 3)

@@ -98,6 +98,7 @@ class SingleControllerActor:
             value_trainer=None
             if self.value_trainer_handle is None
             else ActorProxy(self.value_trainer_handle),
+            coalesce_generate_calls=True,
         )
         return build_controller(self.cfg, parts, model_path=self.model_path)
 

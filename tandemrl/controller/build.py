@@ -48,6 +48,8 @@ class ControllerParts:
     dataloader: PromptDataLoader | None = None  # default: from cfg.data
     step_runner: StepRunner | None = None  # default: make_step_runner(cfg, trainer, ...)
     value_trainer: Any = None  # PPO: the critic (a ValueTrainer); None on GRPO
+    # Remote engines (Ray actors): send one generate call per worker per event-loop turn.
+    coalesce_generate_calls: bool = False
 
 
 def make_step_runner(
@@ -114,7 +116,12 @@ def build_controller(
     dataloader = parts.dataloader or PromptDataLoader.from_config(
         cfg.data, max_num_epochs=algo.max_num_epochs
     )
-    pool = GenerationPool(parts.engines, generation_timeout_s=failure.generation_timeout_s)
+    pool = GenerationPool(
+        parts.engines,
+        generation_timeout_s=failure.generation_timeout_s,
+        # Coalesced calls finish together: a rollout deadline would time its batchmates too.
+        coalesce_calls=parts.coalesce_generate_calls and failure.rollout_timeout_s is None,
+    )
     barrier = CheckpointBarrier()
     generation_cfg = cfg.policy.generation
     stop_ids = tuple(generation_cfg.stop_token_ids)

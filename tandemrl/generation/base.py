@@ -8,6 +8,7 @@ and request deadlines do not advance.
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -22,6 +23,20 @@ class GenerationBackend(ABC):
     @abstractmethod
     async def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         """Generate completions; results are in request order."""
+
+    async def generate_groups(
+        self, groups: list[list[GenerationRequest]]
+    ) -> list[list[GenerationResult] | BaseException]:
+        """``generate`` for each group at once; per group its results or the exception it raised.
+
+        One call carries many groups, so a remote worker pays one call's overhead for all of
+        them (``GenerationPool`` with ``coalesce_calls``); a failure stays with its group.
+        """
+        return list(
+            await asyncio.gather(
+                *(self.generate(group) for group in groups), return_exceptions=True
+            )
+        )
 
     @abstractmethod
     async def update_weights(self, version: int, weights: Any) -> None:

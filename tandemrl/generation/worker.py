@@ -74,6 +74,12 @@ class GenerationWorker(WeightReceiverHost):
     async def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         return await self.engine.generate(requests)
 
+    async def generate_groups(
+        self, groups: list[list[GenerationRequest]]
+    ) -> list[list[GenerationResult] | BaseException]:
+        """Many ``generate`` calls in one remote call (see ``GenerationPool``'s coalescing)."""
+        return await self.engine.generate_groups(groups)
+
     async def update_weights(self, version: int, weights: Any) -> None:
         # A top-level ObjectRef argument arrives resolved; one nested in a container does not.
         import ray

@@ -6,6 +6,20 @@ Each call goes to the healthy worker with the fewest outstanding requests. A dea
 extends the deadline by the stand-down time in between. A worker whose process died is taken
 out of rotation; its requests fail as infrastructure failures and are retried elsewhere by the
 rollout manager. When no worker is left the pool raises ``NoGenerationWorkers``.
+
+Coalescing (``coalesce_calls=True``, used for Ray workers, where each remote call costs about
+a millisecond of CPU on each side): the calls routed to one worker during one turn of the event
+loop travel as one ``generate_groups`` call. When a step's capacity frees, the rollout pump
+starts every admitted group in the same turn, so a whole step's groups (16 of 8 requests on the
+default job) become one remote call instead of 16 (measured with Ray 2.60 on this job's
+requests: 10-13 ms of CPU per step on each side become about 2 ms). Each caller still gets only
+its own results or its own exception (``generate_groups`` returns one outcome per call); a
+worker death fails every call of the batch, as it would have failed each of them. The price: a
+call's results arrive when the whole batch is done, so a fast call would share a slow
+batchmate's clock. Hence with ``generation_timeout_s`` set the pool does not coalesce (and
+``build_controller`` does not ask for it when ``rollout_timeout_s`` is set): every deadline
+keeps timing its own call. A Ray streaming generator that yields each call's results as they
+finish costs as much CPU as separate calls, so it is not used.
 """
 
 from __future__ import annotations
@@ -14,7 +28,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tandemrl.generation.base import GenerationError
@@ -33,6 +47,10 @@ class _Worker:
     engine: Any  # GenerationBackend, or an async proxy of a Ray actor with the same methods
     outstanding: int = 0
     alive: bool = True
+    # Coalescing: calls waiting for this turn of the event loop to end, with their futures.
+    pending: list[tuple[list[GenerationRequest], asyncio.Future[list[GenerationResult]]]] = field(
+        default_factory=list
+    )
 
 
 def is_worker_death(exc: BaseException) -> bool:
@@ -44,13 +62,24 @@ def is_worker_death(exc: BaseException) -> bool:
 
 
 class GenerationPool:
-    def __init__(self, engines: list[Any], *, generation_timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        engines: list[Any],
+        *,
+        generation_timeout_s: float | None = None,
+        coalesce_calls: bool = False,
+    ) -> None:
         if not engines:
             raise ValueError("GenerationPool needs at least one engine")
         self._workers = [_Worker(i, engine) for i, engine in enumerate(engines)]
         self.generation_timeout_s = generation_timeout_s
+        # A deadline times one call; in a batch it would time its batchmates too (see above).
+        self.coalesce_calls = coalesce_calls and generation_timeout_s is None
         self.timeouts = 0
         self.dead_workers: list[int] = []
+        # Calls made to the engines' generate methods (a coalesced batch counts once).
+        self.engine_calls = 0
+        self._batches: set[asyncio.Task[None]] = set()
 
     @property
     def engines(self) -> list[Any]:
@@ -85,7 +114,7 @@ class GenerationPool:
         worker.outstanding += len(requests)
         try:
             if self.generation_timeout_s is None:
-                return await worker.engine.generate(requests)
+                return await self._call(worker, requests)
             return await self._generate_with_deadline(worker, requests)
         except Exception as exc:
             if is_worker_death(exc):
@@ -100,7 +129,7 @@ class GenerationPool:
     ) -> list[GenerationResult]:
         assert self.generation_timeout_s is not None
         timeout = self.generation_timeout_s
-        call = asyncio.ensure_future(worker.engine.generate(requests))
+        call = asyncio.ensure_future(self._call(worker, requests))
         started = time.monotonic()
         frozen_at_start = await worker.engine.frozen_time()
         remaining = timeout
@@ -119,6 +148,51 @@ class GenerationPool:
                     f"async_rl.rollout_failure.generation_timeout_s={timeout} (awake time)"
                 )
             remaining = timeout - awake_elapsed
+
+    def _call(
+        self, worker: _Worker, requests: list[GenerationRequest]
+    ) -> Awaitable[list[GenerationResult]]:
+        """The engine's results for ``requests``: its own call, or a share of this turn's batch."""
+        if not self.coalesce_calls:
+            self.engine_calls += 1
+            return worker.engine.generate(requests)
+        future: asyncio.Future[list[GenerationResult]] = asyncio.get_running_loop().create_future()
+        if not worker.pending:
+            asyncio.get_running_loop().call_soon(self._send_pending, worker)
+        worker.pending.append((requests, future))
+        return future
+
+    def _send_pending(self, worker: _Worker) -> None:
+        batch, worker.pending = worker.pending, []
+        task = asyncio.get_running_loop().create_task(self._send_batch(worker, batch))
+        self._batches.add(task)
+        task.add_done_callback(self._batches.discard)
+
+    async def _send_batch(
+        self,
+        worker: _Worker,
+        batch: list[tuple[list[GenerationRequest], asyncio.Future[list[GenerationResult]]]],
+    ) -> None:
+        """One ``generate_groups`` call for ``batch``; each future gets its own outcome."""
+        self.engine_calls += 1
+        try:
+            outcomes = await worker.engine.generate_groups([requests for requests, _ in batch])
+        except asyncio.CancelledError:  # the pool's loop is shutting down
+            for _, future in batch:
+                future.cancel()
+            raise
+        except Exception as exc:  # the whole call failed (worker death, transport)
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        for (_, future), outcome in zip(batch, outcomes, strict=True):
+            if future.done():  # its caller gave up (deadline, cancellation)
+                continue
+            if isinstance(outcome, BaseException):
+                future.set_exception(outcome)
+            else:
+                future.set_result(outcome)
 
     @property
     def live_indices(self) -> tuple[int, ...]:

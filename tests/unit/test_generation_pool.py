@@ -1,0 +1,158 @@
+"""GenerationPool's call coalescing: one engine call per worker per event-loop turn."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from ray.exceptions import RayActorError
+
+from tandemrl.generation.base import GenerationError
+from tandemrl.generation.fake import FakeGenerationBackend
+from tandemrl.records import GenerationRequest
+from tandemrl.rollout.generation_pool import GenerationPool, NoGenerationWorkers
+
+
+def group(name: str, size: int = 3) -> list[GenerationRequest]:
+    return [GenerationRequest(f"{name}/{i}", [1, 2, 3], 4, seed=i) for i in range(size)]
+
+
+class RecordingEngine(FakeGenerationBackend):
+    """Records how many groups each ``generate_groups`` call carried."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.batches: list[list[str]] = []
+
+    async def generate_groups(self, groups):
+        self.batches.append([requests[0].request_id.split("/")[0] for requests in groups])
+        return await super().generate_groups(groups)
+
+
+def test_calls_made_in_one_turn_travel_as_one_engine_call():
+    async def main():
+        engine = RecordingEngine(seed=0)
+        pool = GenerationPool([engine], coalesce_calls=True)
+        names = [f"g{i}" for i in range(5)]
+        results = await asyncio.gather(*(pool.generate(group(name)) for name in names))
+        # A later turn starts a new batch.
+        later = await pool.generate(group("late"))
+        return engine, pool, names, results, later
+
+    engine, pool, names, results, later = asyncio.run(main())
+    assert engine.batches == [names, ["late"]]
+    assert pool.engine_calls == 2
+    for name, result in zip(names, results, strict=True):
+        assert [r.request_id for r in result] == [f"{name}/{i}" for i in range(3)]
+    assert [r.request_id for r in later] == ["late/0", "late/1", "late/2"]
+    # The same tokens as uncoalesced calls: coalescing changes transport, not results.
+    direct = FakeGenerationBackend(seed=0)
+    assert [r.token_ids for r in results[2]] == [
+        r.token_ids for r in asyncio.run(direct.generate(group("g2")))
+    ]
+
+
+def test_without_coalescing_each_call_is_its_own_engine_call():
+    async def main():
+        engine = RecordingEngine(seed=0)
+        pool = GenerationPool([engine])
+        await asyncio.gather(*(pool.generate(group(f"g{i}")) for i in range(4)))
+        return engine, pool
+
+    engine, pool = asyncio.run(main())
+    assert engine.batches == []
+    assert pool.engine_calls == 4
+
+
+def test_a_failing_call_does_not_fail_the_calls_it_was_batched_with():
+    async def main():
+        engine = RecordingEngine(seed=0, fail_request_ids={"bad/"})
+        pool = GenerationPool([engine], coalesce_calls=True)
+        outcomes = await asyncio.gather(
+            pool.generate(group("ok1")),
+            pool.generate(group("bad")),
+            pool.generate(group("ok2")),
+            return_exceptions=True,
+        )
+        return engine, pool, outcomes
+
+    engine, pool, outcomes = asyncio.run(main())
+    assert engine.batches == [["ok1", "bad", "ok2"]]
+    assert isinstance(outcomes[1], GenerationError)
+    assert "injected failure for bad/0" in str(outcomes[1])
+    assert [r.request_id for r in outcomes[0]] == ["ok1/0", "ok1/1", "ok1/2"]
+    assert [r.request_id for r in outcomes[2]] == ["ok2/0", "ok2/1", "ok2/2"]
+    assert pool.num_alive == 1
+
+
+class DeadWorker(FakeGenerationBackend):
+    async def generate_groups(self, groups):
+        raise RayActorError()
+
+
+def test_a_worker_death_fails_every_batched_call_and_takes_the_worker_out():
+    async def main():
+        pool = GenerationPool([DeadWorker(seed=0)], coalesce_calls=True)
+        outcomes = await asyncio.gather(
+            *(pool.generate(group(f"g{i}")) for i in range(3)), return_exceptions=True
+        )
+        with pytest.raises(NoGenerationWorkers, match="all 1 generation worker"):
+            await pool.generate(group("after"))
+        return pool, outcomes
+
+    pool, outcomes = asyncio.run(main())
+    assert all(isinstance(outcome, GenerationError) for outcome in outcomes)
+    assert all("generation worker 0 died" in str(outcome) for outcome in outcomes)
+    assert pool.dead_workers == [0]
+
+
+class SlowPrefix(FakeGenerationBackend):
+    """Requests named ``slow...`` take 0.5 s; records the ids it was asked to abort."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.abort_calls: list[list[str]] = []
+
+    async def generate(self, requests):
+        if requests[0].request_id.startswith("slow"):
+            await asyncio.sleep(0.5)
+        return await super().generate(requests)
+
+    async def abort(self, request_ids):
+        self.abort_calls.append(list(request_ids))
+        await super().abort(request_ids)
+
+
+def test_with_a_deadline_calls_are_not_coalesced_so_each_keeps_its_own_clock():
+    async def main():
+        engine = SlowPrefix(seed=0)
+        pool = GenerationPool([engine], generation_timeout_s=0.2, coalesce_calls=True)
+        fast_call = asyncio.ensure_future(pool.generate(group("fast")))
+        slow_call = asyncio.ensure_future(pool.generate(group("slow")))
+        with pytest.raises(TimeoutError, match=r"generation_timeout_s=0\.2"):
+            await slow_call
+        fast = await fast_call
+        return engine, pool, fast
+
+    engine, pool, fast = asyncio.run(main())
+    assert not pool.coalesce_calls
+    assert [r.request_id for r in fast] == ["fast/0", "fast/1", "fast/2"]
+    assert engine.abort_calls == [["slow/0", "slow/1", "slow/2"]]
+    assert pool.timeouts == 1
+    assert pool.engine_calls == 2
+
+
+def test_a_cancelled_caller_leaves_its_batchmates_their_results():
+    async def main():
+        engine = SlowPrefix(seed=0)
+        pool = GenerationPool([engine], coalesce_calls=True)
+        kept = asyncio.ensure_future(pool.generate(group("kept")))
+        dropped = asyncio.ensure_future(pool.generate(group("dropped")))
+        await asyncio.sleep(0)  # both join the same batch
+        dropped.cancel()
+        return pool, await kept, dropped
+
+    pool, kept, dropped = asyncio.run(main())
+    assert dropped.cancelled()
+    assert [r.request_id for r in kept] == ["kept/0", "kept/1", "kept/2"]
+    assert pool.engine_calls == 1
