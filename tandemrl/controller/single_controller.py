@@ -154,7 +154,8 @@ class SingleController:
         self._abort_requested: set[str] = set()
         self._rollout_permission = asyncio.Event()
         self._rollout_permission.set()
-        self._changed = asyncio.Event()
+        # Set by the next _notify; created only when someone waits (notify runs per group).
+        self._changed: asyncio.Event | None = None
         self._rollout_done = False
         self._stopping = False
         self._acc = StepAccumulator()
@@ -617,9 +618,12 @@ class SingleController:
 
     def _notify(self) -> None:
         """Wake everything waiting on a state change (commit, drop, claim, version bump)."""
-        self._changed.set()
-        self._changed = asyncio.Event()
+        changed, self._changed = self._changed, None
+        if changed is not None:
+            changed.set()
         self.sampler.notify()
 
     async def _wait_change(self) -> None:
+        if self._changed is None:
+            self._changed = asyncio.Event()
         await self._changed.wait()

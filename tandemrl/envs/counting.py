@@ -80,6 +80,12 @@ class CountingEnv(Environment):
             raise ValueError(f"env.kwargs.answer_length must be at least 1, got {answer_length}")
         self.answer_length = answer_length
         self.eos_strings = tuple(eos_strings)
+        # A completion holding none of the markers' first characters holds no marker: it is
+        # only stripped (one set test instead of a search per marker). None: an empty marker,
+        # which matches everywhere, so every completion takes the full search.
+        self._marker_starts = (
+            frozenset(marker[0] for marker in self.eos_strings) if all(self.eos_strings) else None
+        )
 
     def target_for(self, item: PromptItem) -> str:
         if self.answer_length is None:
@@ -105,7 +111,7 @@ class CountingEnv(Environment):
             # A subclass changed how one completion is scored: score each through it.
             return super().score_group(item, completions, truncated=truncated)
         # A prompt whose target is unusable raises here: every completion of it fails.
-        return list(self._score_completions(item, completions, truncated))
+        return self._score_completions(item, completions, truncated)
 
     def _score_completions(
         self, item: PromptItem, completions: Sequence[str], truncated: Sequence[bool]
@@ -114,9 +120,13 @@ class CountingEnv(Environment):
         target = self.target_for(item)
         item_metadata = self.item_metadata(item)
         eos_strings = self.eos_strings
-        results = []
+        marker_starts = self._marker_starts
+        results: list[EnvResult] = []
         for completion, was_truncated in zip(completions, truncated, strict=True):
-            cleaned = clean_completion(completion, eos_strings)
+            if marker_starts is not None and marker_starts.isdisjoint(completion):
+                cleaned = completion.strip()
+            else:
+                cleaned = clean_completion(completion, eos_strings)
             metadata: dict[str, object] = {
                 "target": target,
                 "completion": cleaned,

@@ -80,6 +80,8 @@ class FakeGenerationBackend(GenerationBackend):
         )
         self.requests_served = 0
         self.weight_updates: list[int] = []
+        # Byte b of the token stream becomes token b % vocab_size: one translate per request.
+        self._byte_tokens = bytes(byte % vocab_size for byte in range(256))
 
     def _tokens_for(self, request: GenerationRequest, prompt_text: str | None = None) -> list[int]:
         """Deterministic tokens of ``request``; ``prompt_text`` is ``str(prompt_token_ids)``.
@@ -90,15 +92,16 @@ class FakeGenerationBackend(GenerationBackend):
         """
         if prompt_text is None:
             prompt_text = str(request.prompt_token_ids)
-        n = min(request.max_new_tokens, self.completion_tokens)
         key = f"{self.seed}|{request.request_id}|{prompt_text}".encode()
+        return self._token_stream(key, min(request.max_new_tokens, self.completion_tokens))
+
+    def _token_stream(self, key: bytes, count: int) -> list[int]:
         state = zlib.crc32(key)
         stream = state.to_bytes(4, "little")
-        while len(stream) < n:
+        while len(stream) < count:
             state = zlib.crc32(key, state)
             stream += state.to_bytes(4, "little")
-        vocab_size = self.vocab_size
-        return [byte % vocab_size for byte in stream[:n]]
+        return list(stream[:count].translate(self._byte_tokens))
 
     async def _wait_latency(self, seconds: float) -> None:
         # The request's clock advances only while awake, so a stand-down freezes it.
@@ -122,9 +125,7 @@ class FakeGenerationBackend(GenerationBackend):
         ):
             raise GenerationError(f"injected failure for {request.request_id}")
 
-    def _result(
-        self, request: GenerationRequest, start_version: int, prompt_text: str | None = None
-    ) -> GenerationResult:
+    def _result(self, request: GenerationRequest, start_version: int) -> GenerationResult:
         if request.request_id in self._aborted:
             return GenerationResult(
                 request.request_id,
@@ -135,7 +136,7 @@ class FakeGenerationBackend(GenerationBackend):
                 [],
                 start_version,
             )
-        tokens = self._tokens_for(request, prompt_text)
+        tokens = self._tokens_for(request)
         self.requests_served += 1
         count = len(tokens)
         return GenerationResult(
@@ -165,24 +166,53 @@ class FakeGenerationBackend(GenerationBackend):
     async def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         if self._instant and self._awake.is_set():
             # Zero latency: no per-request tasks, so benchmarks measure the controller.
-            for request in requests:
-                self._check_alive(request)
+            if self.dead or self.fail_request_ids:
+                for request in requests:
+                    self._check_alive(request)
             await asyncio.sleep(0)
             return self._results_now(requests)
         call = self._one_limited if self._slots is not None else self._one
         return list(await asyncio.gather(*(call(r) for r in requests)))
 
     def _results_now(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        """Results of zero-latency requests; siblings share their prompt's text form."""
+        """Results of zero-latency requests: ``_result`` of each, inlined (the benchmarks run
+        this for every sequence); siblings share their prompt's text form."""
         version = self._version
+        aborted = self._aborted
+        seed_prefix = f"{self.seed}|"
+        most_tokens = self.completion_tokens
+        token_stream = self._token_stream
         results = []
+        served = 0
         prompt: list[int] | None = None
-        prompt_text = ""
+        prompt_suffix = ""
         for request in requests:
+            request_id = request.request_id
+            if request_id in aborted:
+                results.append(self._result(request, version))
+                continue
             if request.prompt_token_ids is not prompt:
                 prompt = request.prompt_token_ids
-                prompt_text = str(prompt)
-            results.append(self._result(request, version, prompt_text))
+                prompt_suffix = f"|{prompt}"
+            max_new_tokens = request.max_new_tokens
+            tokens = token_stream(
+                (seed_prefix + request_id + prompt_suffix).encode(),
+                most_tokens if most_tokens < max_new_tokens else max_new_tokens,
+            )
+            count = len(tokens)
+            served += 1
+            results.append(
+                GenerationResult(
+                    request_id,
+                    list(prompt),
+                    tokens,
+                    [-1.0] * count,
+                    "length" if count >= max_new_tokens else "stop",
+                    [version] * count,
+                    version,
+                )
+            )
+        self.requests_served += served
         return results
 
     async def update_weights(self, version: int, weights: Any) -> None:

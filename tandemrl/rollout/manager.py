@@ -30,6 +30,7 @@ import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 
 from tandemrl.config.models import RolloutFailureConfig
 from tandemrl.controller.barrier import CheckpointBarrier
@@ -72,6 +73,14 @@ class SamplingParams:
 
 class GroupAborted(Exception):
     """The group's in-flight generation was aborted as stale (windowed sampler)."""
+
+
+@lru_cache(maxsize=64)
+def _sibling_keys(group_size: int, attempt: int) -> tuple[tuple[str, bytes], ...]:
+    """Per sibling of one attempt: its request id suffix and the tail of its seed's key."""
+    return tuple(
+        (f"/{sibling}/a{attempt}", f"{sibling}|{attempt}".encode()) for sibling in range(group_size)
+    )
 
 
 def _as_data_failure(outcome: EnvResult | BaseException | None) -> EnvResult | DataFailure:
@@ -126,8 +135,8 @@ class RolloutManager:
         self.committed_items: dict[str, PromptItem] = {}
         # Called after each commit with the group and the siblings generated fresh for it.
         self.on_commit: Callable[[UnfinishedGroup, list[int]], None] | None = None
-        # Request ids of each group's generation call in flight (to abort them on the engine).
-        self.active_requests: dict[str, list[str]] = {}
+        # Requests of each group's generation call in flight (to abort them on the engine).
+        self.active_requests: dict[str, list[GenerationRequest]] = {}
         # Called after each generation round with the siblings it finished (journal, log).
         self.on_staged: Callable[[UnfinishedGroup, list[int]], None] | None = None
         # tandemrl.checkpoint.commit_replay.CommitRecorder; None when the commit log is off.
@@ -185,22 +194,29 @@ class RolloutManager:
         """One request per sibling; its seed is crc32("{seed}|{group_id}|{sibling}|{attempt}")."""
         group_id = group.group_id
         sampling = self.sampling
+        max_new_tokens, temperature = sampling.max_new_tokens, sampling.temperature
+        top_p, stop_token_ids = sampling.top_p, sampling.stop_token_ids
         # crc32 continues from a running value, so the shared prefix is hashed once per call.
         prefix_crc = zlib.crc32(f"{self.seed}|{group_id}|".encode())
-        # Positional, in GenerationRequest's field order (keywords cost a third more per call
-        # on this path; test_rollout_manager checks every field by name).
-        return [
-            GenerationRequest(
-                f"{group_id}/{sibling}/a{attempt}",  # request_id
-                prompt_ids,
-                sampling.max_new_tokens,
-                sampling.temperature,
-                sampling.top_p,
-                sampling.stop_token_ids,
-                zlib.crc32(f"{sibling}|{attempt}".encode(), prefix_crc) & 0x7FFFFFFF,  # seed
+        crc32 = zlib.crc32
+        keys = _sibling_keys(self.group_size, attempt)
+        requests = []
+        for sibling in siblings:
+            id_suffix, seed_suffix = keys[sibling]
+            # Positional, in GenerationRequest's field order (keywords cost a third more per
+            # call on this path; test_rollout_manager checks every field by name).
+            requests.append(
+                GenerationRequest(
+                    group_id + id_suffix,  # request_id: "{group_id}/{sibling}/a{attempt}"
+                    prompt_ids,
+                    max_new_tokens,
+                    temperature,
+                    top_p,
+                    stop_token_ids,
+                    crc32(seed_suffix, prefix_crc) & 0x7FFFFFFF,  # seed
+                )
             )
-            for sibling in siblings
-        ]
+        return requests
 
     async def _generate_all_siblings(self, group: UnfinishedGroup) -> None:
         prompt_ids = self.codec.encode(group.item.prompt)
@@ -212,7 +228,7 @@ class RolloutManager:
             pending = [i for i in range(self.group_size) if i not in group.staged]
             attempt += 1
             requests = self._requests(group, pending, attempt, prompt_ids)
-            self.active_requests[group.group_id] = [r.request_id for r in requests]
+            self.active_requests[group.group_id] = requests
             try:
                 results = await self._generate_within_rollout_deadline(
                     group, requests, attempt_started=time.monotonic()
@@ -248,7 +264,7 @@ class RolloutManager:
                     data_retries[sibling] = retries + 1
                     failed_any = True
                     continue
-                group.staged[sibling] = StagedSibling(result=result, env_result=outcome)
+                group.staged[sibling] = StagedSibling(result, outcome)
                 finished.append(sibling)
             if finished and self.on_staged is not None:
                 self.on_staged(group, finished)
@@ -280,22 +296,20 @@ class RolloutManager:
                 )
             remaining = timeout - awake_elapsed
 
-    def _completion_text(self, result: GenerationResult) -> str:
-        completion = result.token_ids
-        eos = self.codec.eos_token_id
-        if eos is not None and completion and completion[-1] == eos:
-            completion = completion[:-1]
-        return self.codec.decode(completion)
-
     def _score_all(
         self, group: UnfinishedGroup, results: list[GenerationResult]
     ) -> list[EnvResult | DataFailure]:
         """Score a round's completions with one ``score_group`` call; failures per sibling."""
         texts: list[str] = []
         undecodable: dict[int, DataFailure] = {}
+        decode, eos = self.codec.decode, self.codec.eos_token_id
         for index, result in enumerate(results):
+            # The completion's text: its tokens without a final end-of-sequence token.
+            completion = result.token_ids
+            if eos is not None and completion and completion[-1] == eos:
+                completion = completion[:-1]
             try:
-                texts.append(self._completion_text(result))
+                texts.append(decode(completion))
             except Exception as exc:  # the codec is user code too: this sibling's data failure
                 undecodable[index] = _as_data_failure(exc)
         if not undecodable:
@@ -413,8 +427,9 @@ class RolloutManager:
 
     async def drop_aborted(self, group: UnfinishedGroup) -> None:
         """Remove a group whose generation the controller aborted as stale."""
-        if self.active_requests.get(group.group_id):
-            await self.generation.abort(self.active_requests[group.group_id])
+        requests = self.active_requests.get(group.group_id)
+        if requests:
+            await self.generation.abort([request.request_id for request in requests])
         await self._drop(group)
 
     async def _drop(self, group: UnfinishedGroup):
