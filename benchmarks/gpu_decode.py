@@ -13,6 +13,10 @@ Three measurements on a random-init Qwen2 of a real size (``gpu_common.QWEN2_SIZ
   decode step (busy time of ``_step`` / steps, with and without the admission prefill), static
   path (one step in flight or none) vs ``cuda_graphs="off"``.
 
+``--attention kernel torch``: the static step's decode attention as one Triton kernel
+(``decode_attention.py``, the default) or as the torch reference (two batched products around
+a softmax); the graph and engine rows are measured for each.
+
     python benchmarks/gpu_decode.py --size tiny --check-only          # CPU
     python benchmarks/gpu_decode.py --size 0.5b --batches 64 256      # GPU
 """
@@ -34,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_common import EOS_TOKEN_ID, QWEN2_SIZES, build_model_folder
 
+from tandemrl.generation import decode_attention
 from tandemrl.generation.static_decode import StaticDecoder, kv_bytes_per_token
 from tandemrl.generation.torch_engine import TorchGenerationEngine
 from tandemrl.models import load_causal_lm
@@ -245,6 +250,7 @@ def main() -> None:
     parser.add_argument("--engine-modes", nargs="+", default=["auto", "off"])
     parser.add_argument("--engine-pipeline", nargs="+", default=["on", "off"])
     parser.add_argument("--bandwidth-tbps", type=float, default=4.22)
+    parser.add_argument("--attention", nargs="+", default=["kernel"], choices=["kernel", "torch"])
     parser.add_argument("--check-only", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -257,7 +263,9 @@ def main() -> None:
     print(f"check: relative error {result['check_rel_err']:.2e}", flush=True)
     if cuda and not args.check_only:
         result["graph"] = []
-        for compile_flag in args.compile:
+        graph_variants = [(a, c) for a in args.attention for c in args.compile]
+        for attention, compile_flag in graph_variants:
+            decode_attention.USE_KERNEL = attention == "kernel"
             for rows in args.batches:
                 try:
                     row = bench_graph(
@@ -270,16 +278,23 @@ def main() -> None:
                     )
                 except Exception as exc:  # report and keep measuring the other variants
                     row = {"rows": rows, "compile": compile_flag, "error": repr(exc)[:2000]}
+                row["attention"] = attention
                 result["graph"].append(row)
                 summary = {k: v for k, v in row.items() if k != "top"}
                 print("graph", json.dumps(summary), flush=True)
         del model
         torch.cuda.empty_cache()
         result["engine"] = []
-        engine_variants = [(m, p == "on") for m in args.engine_modes for p in args.engine_pipeline]
-        for mode, pipeline in engine_variants:
-            if mode == "off" and not pipeline:
-                continue  # the dynamic path has no pipeline
+        engine_variants = [
+            (a, m, p == "on")
+            for a in args.attention
+            for m in args.engine_modes
+            for p in args.engine_pipeline
+        ]
+        for attention, mode, pipeline in engine_variants:
+            if mode == "off" and (not pipeline or attention != args.attention[0]):
+                continue  # the dynamic path has no pipeline and no static attention
+            decode_attention.USE_KERNEL = attention == "kernel"
             for rows in args.batches:
                 try:
                     row = asyncio.run(
@@ -287,6 +302,7 @@ def main() -> None:
                     )
                 except Exception as exc:
                     row = {"rows": rows, "cuda_graphs": mode, "error": repr(exc)[:2000]}
+                row["attention"] = attention
                 result["engine"].append(row)
                 print("engine", json.dumps(row), flush=True)
     if args.out is not None:

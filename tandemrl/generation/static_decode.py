@@ -8,8 +8,8 @@ slot and calls ``prefill`` (admission, recompute-KV), ``set_rows`` and ``step``.
 
 One step, for slots ``[0, rows)`` (``rows`` a power-of-two bucket above the highest busy slot):
 embed each slot's token, run every layer (RMSNorm, one fused QKV projection, rotary embedding,
-write K/V at the slot's position, attention over the first ``length`` cache positions with
-positions after the slot's own masked, output projection, RMSNorm, one fused gate/up projection,
+write K/V at the slot's position, attention over the slot's cache positions up to its own
+within the first ``length`` (``decode_attention.py``: one Triton kernel on CUDA), output projection, RMSNorm, one fused gate/up projection,
 SiLU, down projection), then sample one token per slot from the tempered distribution (inverse
 CDF of a host-drawn uniform, optional top-p; greedy slots take the argmax) and write the token,
 its logprob, the next position and the next input token in place. Free slots inside the bucket
@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from tandemrl.generation.decode_attention import decode_attention
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 # Smallest graph buckets: fewer, larger graphs; a step never attends fewer cache positions.
@@ -232,7 +234,6 @@ class StaticDecoder:
             torch.zeros(2, slots, dtype=torch.float64, pin_memory=pinned) for _ in range(2)
         ]
         self._launches = 0
-        self.cache_positions = torch.arange(max_len, **on)
         # Offsets of (keys|values, slot, kv head) rows in one layer's flattened cache.
         kv_rows = torch.arange(2 * slots * self.kv_heads, **on).view(2, slots, self.kv_heads)
         self.kv_row_offsets = kv_rows * max_len
@@ -438,7 +439,6 @@ class StaticDecoder:
         angles = torch.cat([angles, angles], dim=-1)
         cos = (angles.cos() * self.rope_scaling).to(self.dtype)[:, None, :]
         sin = (angles.sin() * self.rope_scaling).to(self.dtype)[:, None, :]
-        visible = self.cache_positions[None, :length] <= positions[:, None]  # [rows, length]
         delta = self.no_delta[:rows]
         # Row of each new key/value in a layer's cache viewed as [2 * slots * kv_heads *
         # max_len, head_dim], in the order of new_kv below ([2, rows, kv_heads]).
@@ -451,9 +451,10 @@ class StaticDecoder:
             hidden, delta = self._attention_out_mlp(
                 hidden,
                 q,
-                self.keys[index, :rows, :, :length],
-                self.values[index, :rows, :, :length],
-                visible,
+                self.keys[index],
+                self.values[index],
+                positions,
+                length,
                 weights.o_weight,
                 weights.o_bias,
                 weights.post_norm,
@@ -500,7 +501,8 @@ class StaticDecoder:
         q: torch.Tensor,
         keys: torch.Tensor,
         values: torch.Tensor,
-        visible: torch.Tensor,
+        positions: torch.Tensor,
+        length: int,
         o_weight: torch.Tensor,
         o_bias: torch.Tensor | None,
         post_norm: torch.Tensor,
@@ -508,14 +510,9 @@ class StaticDecoder:
         down_weight: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         rows = hidden.shape[0]
-        # The query heads that share a KV head are that head's "query positions": no repeat.
-        grouped = q.reshape(rows, self.kv_heads, self.group, self.head_dim)
-        # Two batched products around a float32 softmax. (torch's fused attention with this
-        # mask ran slower on the H200, through cuDNN: 1.55 vs 1.49 ms a step at 64 rows.)
-        scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * self.scale
-        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-        weights = torch.softmax(scores, dim=-1).to(values.dtype)
-        attended = torch.matmul(weights, values).reshape(rows, self.heads * self.head_dim)
+        # One Triton kernel on CUDA, two batched products around a softmax elsewhere.
+        attended = decode_attention(q, keys, values, positions, length, self.scale)
+        attended = attended.reshape(rows, self.heads * self.head_dim)
         hidden = hidden + F.linear(attended, o_weight, o_bias)
         gate, up = F.linear(self._rms_norm(hidden, post_norm), gate_up_weight).chunk(2, dim=-1)
         return hidden, F.linear(F.silu(gate) * up, down_weight)
