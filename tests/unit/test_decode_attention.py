@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tandemrl.generation import decode_attention as decode_attention_module
 from tandemrl.generation.decode_attention import (
     decode_attention,
     kernel_supports,
@@ -48,7 +49,11 @@ def test_reference_matches_per_row_softmax() -> None:
 @pytest.mark.skipif(not kernel_supports(14, 2, 64), reason="needs CUDA and Triton")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("compiled", [False, True])
-def test_triton_kernel_matches_reference(dtype: torch.dtype, compiled: bool) -> None:
+@pytest.mark.parametrize("splits", [1, 4])
+def test_triton_kernel_matches_reference(
+    dtype: torch.dtype, compiled: bool, splits: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(decode_attention_module, "SPLITS", splits)
     # The static step calls the kernel inside torch.compile(fullgraph=True): check that too.
     attend = torch.compile(decode_attention, fullgraph=True) if compiled else decode_attention
     q, keys, values, positions = make_inputs("cuda", dtype, rows=37, slots=40)
