@@ -63,10 +63,21 @@ class Slot:
     end_weight: int | None = None
     ready: bool = False
     rows_meta: list[RowMeta] = field(default_factory=list)
+    # sample_ids, worked out once per rows_meta list (both pumps ask for it several times per
+    # group) and for the list it was worked out from.
+    _sample_ids: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
+    _sample_ids_of: list[RowMeta] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     @property
     def sample_ids(self) -> list[str]:
-        return [row.sample_id for row in self.rows_meta]
+        """The group's sample ids in row order (a shared list: read it, do not change it)."""
+        rows = self.rows_meta
+        if self._sample_ids_of is not rows:
+            self._sample_ids = [row.sample_id for row in rows]
+            self._sample_ids_of = rows
+        return self._sample_ids
 
     def to_state(self) -> dict[str, Any]:
         return {
@@ -154,21 +165,18 @@ class ReplayBuffer:
 
     def reserve(self, group_id: str, start_weight: int, target_step: int | None = None) -> Slot:
         """Append a reserved slot for a group being dispatched now."""
-        if group_id in self:
+        live = self._live
+        if group_id in live or group_id in self._claimed:
             raise ReplayBufferError(f"reserve: group {group_id!r} is already in the buffer")
-        if not self.has_capacity():
+        if len(live) >= self.capacity:  # not has_capacity()
             raise ReplayBufferError(
-                f"reserve: buffer is full ({len(self._live)} of {self.capacity} reserved or "
+                f"reserve: buffer is full ({len(live)} of {self.capacity} reserved or "
                 f"ready groups); group {group_id!r} must wait for the trainer to consume a batch"
             )
-        slot = Slot(
-            group_id=group_id,
-            start_weight=start_weight,
-            target_step=target_step,
-            dispatch_index=self._next_dispatch_index,
-        )
+        # Positional, in field order: this runs once per dispatched prompt group.
+        slot = Slot(group_id, start_weight, target_step, self._next_dispatch_index)
         self._next_dispatch_index += 1
-        self._live[group_id] = slot
+        live[group_id] = slot
         return slot
 
     def commit(self, group_id: str, rows_meta: list[RowMeta], end_weight: int) -> Slot:
@@ -178,8 +186,9 @@ class ReplayBuffer:
             raise ReplayBufferError(f"commit: group {group_id!r} has no reserved slot")
         if slot.ready:
             raise ReplayBufferError(f"commit: group {group_id!r} is already committed")
-        _check_rows(group_id, rows_meta, self.group_size, "commit")
+        sample_ids = _check_rows(group_id, rows_meta, self.group_size, "commit")
         slot.rows_meta = list(rows_meta)
+        slot._sample_ids, slot._sample_ids_of = sample_ids, slot.rows_meta
         slot.end_weight = end_weight
         slot.ready = True
         return slot
@@ -401,7 +410,8 @@ def _slot_from_state(entry: Any) -> Slot:
     )
 
 
-def _check_rows(group_id: str, rows_meta: list[RowMeta], group_size: int, what: str) -> None:
+def _check_rows(group_id: str, rows_meta: list[RowMeta], group_size: int, what: str) -> list[str]:
+    """Refuse rows that are not ``group_size`` distinct rows of ``group_id``; their sample ids."""
     if len(rows_meta) != group_size:
         raise ReplayBufferError(
             f"{what}: group {group_id!r} has {len(rows_meta)} rows, expected {group_size} "
@@ -415,3 +425,4 @@ def _check_rows(group_id: str, rows_meta: list[RowMeta], group_size: int, what: 
         raise ReplayBufferError(
             f"{what}: group {group_id!r} has rows of another group: {', '.join(strangers)}"
         )
+    return sample_ids

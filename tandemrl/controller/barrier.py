@@ -19,17 +19,19 @@ class CheckpointBarrier:
         self._capturing = False
         self._changed = asyncio.Condition()
 
-    @asynccontextmanager
-    async def mutation(self) -> AsyncIterator[None]:
+    def mutation(self) -> _Mutation:
+        """``async with barrier.mutation():`` around a group commit or a destructive clear."""
+        return _Mutation(self)
+
+    async def _enter_mutation_during_capture(self) -> None:
         async with self._changed:
             await self._changed.wait_for(lambda: not self._capturing)
             self._mutations += 1
-        try:
-            yield
-        finally:
-            async with self._changed:
-                self._mutations -= 1
-                self._changed.notify_all()
+
+    async def _leave_mutation_during_capture(self) -> None:
+        async with self._changed:
+            self._mutations -= 1
+            self._changed.notify_all()
 
     @asynccontextmanager
     async def capture(self) -> AsyncIterator[None]:
@@ -53,3 +55,31 @@ class CheckpointBarrier:
     @property
     def capturing(self) -> bool:
         return self._capturing
+
+
+class _Mutation:
+    """``CheckpointBarrier.mutation``: the lock is taken only while a capture is on.
+
+    Only a capture waits on the mutation count, and it raises ``_capturing`` before it does,
+    so with no capture on, entering and leaving are a plain count change (no await can split
+    it). Mutations run once per committed group; captures once per checkpoint.
+    """
+
+    __slots__ = ("_barrier",)
+
+    def __init__(self, barrier: CheckpointBarrier) -> None:
+        self._barrier = barrier
+
+    async def __aenter__(self) -> None:
+        barrier = self._barrier
+        if barrier._capturing:
+            await barrier._enter_mutation_during_capture()
+        else:
+            barrier._mutations += 1
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        barrier = self._barrier
+        if barrier._capturing:
+            await barrier._leave_mutation_during_capture()
+        else:
+            barrier._mutations -= 1

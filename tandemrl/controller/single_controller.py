@@ -478,7 +478,7 @@ class SingleController:
                 target_step=slot.target_step,
                 staleness=version - slot.start_weight,
                 rewards=[meta.reward for meta in slot.rows_meta],
-                completion_tokens=sum(meta.num_completion_tokens for meta in slot.rows_meta),
+                completion_tokens=sum([meta.num_completion_tokens for meta in slot.rows_meta]),
             )
             self._acc.groups.append(trained)
             self.trained_groups.append((self.state.step, trained))

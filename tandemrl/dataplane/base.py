@@ -29,6 +29,8 @@ Row = dict[str, torch.Tensor]
 RowView = Mapping[str, torch.Tensor]
 
 
+_STR_ONLY = {str}
+
 # Flat buffers a RowBlock may be built from, by ``array.array`` typecode.
 BUFFER_DTYPES: dict[str, torch.dtype] = {
     "b": torch.int8,
@@ -138,13 +140,17 @@ class RowBlock:
                 f"row block: {count} sample id(s) but {len(self.lengths)} length(s); a block "
                 "holds at least one row and one length per row"
             )
-        for sample_id in self.sample_ids:
-            if not isinstance(sample_id, str) or not sample_id:
-                raise DataPlaneError(
-                    f"row block: sample ids must be distinct non-empty strings, got "
-                    f"{self.sample_ids}"
-                )
-        if len(set(self.sample_ids)) != count:
+        # Plain str ids (the usual case) are checked without a Python loop; anything else
+        # (str subclasses, or the non-str that is about to be refused) takes the loop.
+        if set(map(type, self.sample_ids)) != _STR_ONLY:
+            for sample_id in self.sample_ids:
+                if not isinstance(sample_id, str):
+                    raise DataPlaneError(
+                        f"row block: sample ids must be distinct non-empty strings, got "
+                        f"{self.sample_ids}"
+                    )
+        distinct = set(self.sample_ids)
+        if len(distinct) != count or "" in distinct:
             raise DataPlaneError(
                 f"row block: sample ids must be distinct non-empty strings, got {self.sample_ids}"
             )

@@ -120,8 +120,7 @@ class LocalDataPlane(DataPlane):
                 f"local data plane put: sample id(s) already stored: {', '.join(duplicates)} "
                 "(a sample id is written once; clear it before reusing it)"
             )
-        for sample_id, view in zip(block.sample_ids, block.row_views(), strict=True):
-            stored[sample_id] = view
+        stored.update(zip(block.sample_ids, block.row_views(), strict=True))
 
     async def get(self, keys: Iterable[str]) -> dict[str, RowView]:
         keys = list(keys)

@@ -121,6 +121,7 @@ class CountingEnv(Environment):
         item_metadata = self.item_metadata(item)
         eos_strings = self.eos_strings
         marker_starts = self._marker_starts
+        target_length = len(target)
         results: list[EnvResult] = []
         for completion, was_truncated in zip(completions, truncated, strict=True):
             if marker_starts is not None and marker_starts.isdisjoint(completion):
@@ -134,7 +135,8 @@ class CountingEnv(Environment):
                 "truncated": was_truncated,
                 **item_metadata,
             }
-            results.append(
-                EnvResult(positional_match_reward(target, cleaned), True, metadata)  # reward, keep
-            )
+            # positional_match_reward(target, cleaned), inlined: this runs per completion.
+            longest = max(target_length, len(cleaned))
+            reward = sum(map(operator.eq, target, cleaned)) / longest if longest else 0.0
+            results.append(EnvResult(reward, True, metadata))  # reward, keep
         return results

@@ -181,7 +181,8 @@ class FakeGenerationBackend(GenerationBackend):
         aborted = self._aborted
         seed_prefix = f"{self.seed}|"
         most_tokens = self.completion_tokens
-        token_stream = self._token_stream
+        byte_tokens = self._byte_tokens
+        crc32 = zlib.crc32
         results = []
         served = 0
         prompt: list[int] | None = None
@@ -195,11 +196,12 @@ class FakeGenerationBackend(GenerationBackend):
                 prompt = request.prompt_token_ids
                 prompt_suffix = f"|{prompt}"
             max_new_tokens = request.max_new_tokens
-            tokens = token_stream(
-                (seed_prefix + request_id + prompt_suffix).encode(),
-                most_tokens if most_tokens < max_new_tokens else max_new_tokens,
-            )
-            count = len(tokens)
+            count = most_tokens if most_tokens < max_new_tokens else max_new_tokens
+            key = (seed_prefix + request_id + prompt_suffix).encode()
+            if count <= 4:  # _token_stream's first round, inlined
+                tokens = list(crc32(key).to_bytes(4, "little")[:count].translate(byte_tokens))
+            else:
+                tokens = self._token_stream(key, count)
             served += 1
             results.append(
                 GenerationResult(
@@ -250,9 +252,21 @@ def fake_codec(vocab_size: int = 16):
     from tandemrl.rollout.manager import TextCodec
 
     digits = "0123456789"
+    # Byte b decodes to the digit b % 10, so a list of ids in 0..255 decodes in one translate.
+    digit_of_byte = bytes(ord(digits[byte % 10]) for byte in range(256))
+
+    def decode(ids: list[int]) -> str:
+        try:
+            raw = bytes(ids) if type(ids) is list else None
+        except ValueError:  # an id outside 0..255
+            raw = None
+        if raw is None:
+            return "".join([digits[i % 10] for i in ids])
+        return raw.translate(digit_of_byte).decode("ascii")
+
     return TextCodec(
         encode=lambda text: [ord(ch) % vocab_size for ch in text],
-        decode=lambda ids: "".join([digits[i % 10] for i in ids]),
+        decode=decode,
         eos_token_id=None,
         pad_token_id=0,
     )

@@ -94,12 +94,9 @@ class OwnershipLedger:
     ) -> UnfinishedGroup:
         if group_id in self._groups:
             raise KeyError(f"prompt group {group_id} is already in the ownership ledger")
+        # Positional, in field order: this runs once per dispatched prompt group.
         group = UnfinishedGroup(
-            item=item,
-            group_id=group_id,
-            target_step=target_step,
-            start_weight=start_weight,
-            granularity=resolve_granularity(item, self.cfg),
+            item, group_id, target_step, start_weight, resolve_granularity(item, self.cfg)
         )
         self._groups[group_id] = group
         return group

@@ -75,12 +75,21 @@ class GroupAborted(Exception):
     """The group's in-flight generation was aborted as stale (windowed sampler)."""
 
 
+@lru_cache(maxsize=8)
+def _sample_id_suffixes(group_size: int) -> tuple[str, ...]:
+    """``"/{sibling}"`` per sibling: a row's sample id is its group id and this suffix."""
+    return tuple(f"/{sibling}" for sibling in range(group_size))
+
+
 @lru_cache(maxsize=64)
 def _sibling_keys(group_size: int, attempt: int) -> tuple[tuple[str, bytes], ...]:
     """Per sibling of one attempt: its request id suffix and the tail of its seed's key."""
     return tuple(
         (f"/{sibling}/a{attempt}", f"{sibling}|{attempt}".encode()) for sibling in range(group_size)
     )
+
+
+_ENV_RESULTS_ONLY = {EnvResult}
 
 
 def _as_data_failure(outcome: EnvResult | BaseException | None) -> EnvResult | DataFailure:
@@ -331,6 +340,8 @@ class RolloutManager:
                 )
         except Exception as exc:  # any exception from user reward code is a data failure
             scored = [exc] * len(texts)
+        if set(map(type, scored)) == _ENV_RESULTS_ONLY:  # the usual case: nothing failed
+            return scored
         return [
             outcome if type(outcome) is EnvResult else _as_data_failure(outcome)
             for outcome in scored
@@ -368,18 +379,26 @@ class RolloutManager:
     def _rows(self, group: UnfinishedGroup) -> tuple[RowBlock, list[RowMeta]]:
         """The group's rows as one block, and their metadata for the replay buffer."""
         group_id = group.group_id
-        staged = [group.staged[sibling] for sibling in range(self.group_size)]
+        staged = group.staged
         filter_overlong = self.overlong_filtering
         sample_ids, rewards, keeps, metas = [], [], [], []
-        for sibling, entry in enumerate(staged):
+        completions, logprobs = [], []
+        for sibling, suffix in enumerate(_sample_id_suffixes(self.group_size)):
+            entry = staged[sibling]
             result, env_result = entry.result, entry.env_result
             truncated = result.finish_reason == "length"
             keep = 1.0 if env_result.keep and not (filter_overlong and truncated) else 0.0
             reward = float(env_result.reward)
-            sample_id = f"{group_id}/{sibling}"
+            sample_id = group_id + suffix  # f"{group_id}/{sibling}"
             sample_ids.append(sample_id)
             rewards.append(reward)
             keeps.append(keep)
+            completions.append(result.token_ids)
+            logprobs.append(result.logprobs)
+            # result.end_weight_version, inlined: this runs per generated sequence.
+            versions = result.token_weight_versions
+            start_weight = result.start_weight_version
+            end_weight = versions[-1] if versions else start_weight
             metas.append(
                 RowMeta(  # positional, in field order (see _requests; tested by name)
                     sample_id,
@@ -390,23 +409,18 @@ class RolloutManager:
                     len(result.prompt_token_ids),
                     len(result.token_ids),
                     truncated,
-                    result.start_weight_version,
-                    result.end_weight_version,
+                    start_weight,
+                    end_weight,
                 )
             )
         block = make_group_block(
-            sample_ids,
-            staged[0].result.prompt_token_ids,
-            [entry.result.token_ids for entry in staged],
-            [entry.result.logprobs for entry in staged],
-            rewards,
-            keeps,
+            sample_ids, staged[0].result.prompt_token_ids, completions, logprobs, rewards, keeps
         )
         return block, metas
 
     async def _push_and_commit(self, group: UnfinishedGroup) -> None:
         block, metas = self._rows(group)
-        end_weight = max(meta.end_weight_version for meta in metas)
+        end_weight = max([meta.end_weight_version for meta in metas])
         async with self.barrier.mutation():
             # Rows first, then the slot flips ready: a ready slot always has its rows.
             await self.data_plane.put_block(block)

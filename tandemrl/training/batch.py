@@ -27,6 +27,7 @@ of length T are right-padded with 0.
 
 from __future__ import annotations
 
+import struct
 from array import array
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
@@ -104,6 +105,23 @@ def _group_token_mask(num_prompt: int, completion_lengths: tuple[int, ...]) -> a
     return mask
 
 
+@lru_cache(maxsize=256)
+def _packer(typecode: str, count: int) -> struct.Struct:
+    return struct.Struct(f"{count}{typecode}")
+
+
+def _flat_buffer(typecode: str, values: Sequence[float]) -> array:
+    """``array(typecode, values)``, converted by ``struct`` (about twice as fast as ``array``,
+    which parses item by item); ``typecode`` is one of ``q`` and ``f``."""
+    try:
+        packed = _packer(typecode, len(values)).pack(*values)
+    except struct.error as exc:
+        raise BatchError(
+            f"a row value does not fit a {BUFFER_DTYPES[typecode]} buffer: {exc}"
+        ) from exc
+    return array(typecode, packed)
+
+
 def make_group_block(
     sample_ids: Sequence[str],
     prompt_ids: Sequence[int],
@@ -132,6 +150,13 @@ def make_group_block(
         raise BatchError("a training row needs at least one prompt token")
     num_prompt = len(prompt)
     completion_lengths = tuple(map(len, completions))
+    if tuple(map(len, completion_logprobs)) != completion_lengths:
+        for length, completion_lp in zip(completion_lengths, completion_logprobs, strict=True):
+            if len(completion_lp) != length:
+                raise BatchError(
+                    f"completion has {length} tokens but {len(completion_lp)} logprobs; "
+                    "the generator must report one logprob per generated token"
+                )
     longest = max(completion_lengths)
     token_ids: list[int] = []
     logprobs: list[float] = []
@@ -139,11 +164,6 @@ def make_group_block(
     for completion, completion_lp, length in zip(
         completions, completion_logprobs, completion_lengths, strict=True
     ):
-        if len(completion_lp) != length:
-            raise BatchError(
-                f"completion has {length} tokens but {len(completion_lp)} logprobs; "
-                "the generator must report one logprob per generated token"
-            )
         token_ids += prompt
         token_ids += completion
         logprobs += prompt_zeros
@@ -155,11 +175,14 @@ def make_group_block(
         sample_ids,
         [num_prompt + length for length in completion_lengths],
         per_token={
-            "input_ids": array("q", token_ids),
+            "input_ids": _flat_buffer("q", token_ids),
             "token_mask": _group_token_mask(num_prompt, completion_lengths),
-            "generation_logprobs": array("f", logprobs),
+            "generation_logprobs": _flat_buffer("f", logprobs),
         },
-        per_row={"reward": array("f", rewards), "sample_mask": array("f", sample_masks)},
+        per_row={
+            "reward": _flat_buffer("f", rewards),
+            "sample_mask": _flat_buffer("f", sample_masks),
+        },
     )
 
 
@@ -185,18 +208,20 @@ def _whole_blocks(rows: Sequence[Mapping[str, torch.Tensor]]) -> list[RowBlock] 
 
 def _collate_blocks(blocks: list[RowBlock], pad_token_id: int) -> TrainBatch:
     """``collate_rows`` for rows that are whole blocks: concatenate instead of padding rows."""
-    keys = set(blocks[0].field_names)
+    first_names = blocks[0].field_names
+    keys = set(first_names)
     missing = [key for key in REQUIRED_ROW_KEYS if key not in keys]
     if missing:
         raise BatchError(f"row 0 lacks required field(s) {missing}")
     for block in blocks[1:]:
-        if set(block.field_names) != keys:
+        names = block.field_names
+        if names != first_names and set(names) != keys:
             raise BatchError(
                 f"rows disagree on their fields: row 0 has {sorted(keys)}, "
                 f"row {block.sample_ids[0]!r} has {sorted(block.field_names)}"
             )
     lengths = [length for block in blocks for length in block.lengths]
-    max_len = max(block.width for block in blocks)
+    max_len = max([block.width for block in blocks])
     columns = _joined_buffers(blocks, max_len) or _joined_tensors(blocks, max_len)
     token_mask = columns["token_mask"]
     batch: TrainBatch = {}
@@ -266,11 +291,11 @@ def _joined_buffers(blocks: list[RowBlock], max_len: int) -> dict[str, torch.Ten
     return joined
 
 
-def _buffer_layout(block: RowBlock) -> tuple[tuple[tuple[str, str], ...], ...]:
+def _buffer_layout(block: RowBlock) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
     assert block.per_token_buffers is not None and block.per_row_buffers is not None
     return (
-        tuple((key, buffer.typecode) for key, buffer in block.per_token_buffers.items()),
-        tuple((key, buffer.typecode) for key, buffer in block.per_row_buffers.items()),
+        [(key, buffer.typecode) for key, buffer in block.per_token_buffers.items()],
+        [(key, buffer.typecode) for key, buffer in block.per_row_buffers.items()],
     )
 
 
