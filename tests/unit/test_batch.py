@@ -122,7 +122,7 @@ def test_group_block_rejects_bad_groups() -> None:
         make_group_block(["g/0", "g/1"], [1], [[2], [3]], [[-0.1]], [0.0, 1.0], [1.0, 1.0])
     with pytest.raises(DataPlaneError, match="distinct"):
         make_group_block(["g/0", "g/0"], [1], [[2], [3]], [[-0.1], [-0.2]], [0.0, 1.0], [1, 1])
-    with pytest.raises(BatchError, match="does not fit a torch.int64 buffer"):
+    with pytest.raises(BatchError, match=r"does not fit a torch\.int64 buffer"):
         make_group_block(["g/0"], [1], [[2**70]], [[-0.1]], [0.0], [1.0])
 
 
