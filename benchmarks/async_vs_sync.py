@@ -16,7 +16,13 @@ come from the training forward, one forward pass per step fewer) unless
 On the default job generation is the lighter side (a sync run's trainer waits ~35% of each
 step), so perfect overlap could only give ~1.5x. ``--generation-batch 32`` (the engine decodes
 at most 32 sequences at once; ``policy.generation.max_batch_size``) makes generation about as
-long as training (the trainer then waits ~47% of a sync step), the premise of the goal.
+long as training (the trainer then waits 46-58% of a sync step), the premise of the goal; the
+``sync_train_idle`` field of the RESULT line checks it on every run.
+
+Each mode also prints the CPU seconds per step of every process it started (the generation
+and policy workers, the controller actor, Ray's own processes, this driver), read from
+``/proc`` over the steady-state steps (``ProcessCpuMeter``). When other work loads the 2 cores
+the wall-clock ratio says little; the CPU per step barely moves, so compare that.
 """
 
 from __future__ import annotations
