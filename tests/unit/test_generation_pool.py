@@ -156,3 +156,74 @@ def test_a_cancelled_caller_leaves_its_batchmates_their_results():
     assert dropped.cancelled()
     assert [r.request_id for r in kept] == ["kept/0", "kept/1", "kept/2"]
     assert pool.engine_calls == 1
+
+
+# ---------------------------------------------------------------- inside a controller
+
+
+def controller_run(coalesce: bool, *overrides: str):
+    from tandemrl.config.loader import load_config
+    from tandemrl.controller.build import ControllerParts, build_controller
+    from tandemrl.data.dataloader import PromptDataLoader
+    from tandemrl.data.dataset import PromptRecord
+    from tandemrl.envs.counting import CountingEnv
+    from tandemrl.generation.fake import fake_codec
+    from tandemrl.training.fake import FakeTrainer
+
+    cfg = load_config(
+        "examples/configs/grpo_tiny_cpu.yaml",
+        (
+            "grpo.num_prompts_per_step=4",
+            "grpo.num_generations_per_prompt=2",
+            "policy.train_global_batch_size=8",
+            "policy.train_micro_batch_size=8",
+            "grpo.max_num_steps=4",
+            "grpo.max_num_epochs=1",
+            "async_rl.min_groups_for_streaming_train=4",
+            "async_rl.max_buffered_rollouts=8",
+            "async_rl.max_inflight_prompts=8",
+            *overrides,
+        ),
+    )
+    records = [PromptRecord(prompt=f"{i:03d}=", answer="123") for i in range(16)]
+    engine = RecordingEngine(seed=0)
+    parts = ControllerParts(
+        trainer=FakeTrainer(),
+        engines=[engine],
+        env=CountingEnv(),
+        codec=fake_codec(),
+        dataloader=PromptDataLoader(records, max_num_epochs=1, seed=0, shuffle=False),
+        coalesce_generate_calls=coalesce,
+    )
+
+    async def go():
+        controller = build_controller(cfg, parts)
+        await asyncio.wait_for(controller.run(), timeout=30)
+        return controller
+
+    controller = asyncio.run(go())
+    trained = [
+        (step, group.group_id, group.rewards, group.completion_tokens)
+        for step, group in controller.trained_groups
+    ]
+    return controller, engine, trained
+
+
+def test_a_coalescing_controller_trains_the_same_groups_with_fewer_engine_calls():
+    plain, _, plain_trained = controller_run(False)
+    coalesced, engine, trained = controller_run(True)
+    assert coalesced.generation.coalesce_calls
+    assert trained == plain_trained  # same groups in the same steps, same rewards
+    assert len(trained) == 16
+    assert plain.generation.engine_calls == 16
+    assert coalesced.generation.engine_calls == len(engine.batches) < 16
+    assert sum(len(batch) for batch in engine.batches) == 16
+
+
+def test_a_rollout_deadline_turns_coalescing_off():
+    controller, engine, trained = controller_run(
+        True, "async_rl.rollout_failure.rollout_timeout_s=30"
+    )
+    assert not controller.generation.coalesce_calls
+    assert engine.batches == []
+    assert len(trained) == 16
