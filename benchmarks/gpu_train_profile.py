@@ -371,6 +371,13 @@ def main() -> None:
             "tokens": 32768,
         },
         "compiled_packed_all": {"compile_layers": True, "packing": True, "micro": 64},
+        # The same with the head passes compiled for any vocabulary size (all dims symbolic).
+        "compiled_packed_all_dynamic_head": {
+            "compile_layers": True,
+            "packing": True,
+            "micro": 64,
+            "static_vocab": False,
+        },
     }
     rows = []
     for name in args.variants:
@@ -398,6 +405,10 @@ def main() -> None:
             continue
         worker.sequence_packing = packing
         logprob_head.COMPILE_ON_CUDA = change.get("compile_head", True)
+        static_vocab = change.get("static_vocab", True)
+        if static_vocab != logprob_head.STATIC_VOCAB:
+            logprob_head.STATIC_VOCAB = static_vocab
+            logprob_head._KERNELS.clear()  # recompiled on the next call
         if change.get("checkpointing"):
             worker.model.gradient_checkpointing_enable()
         row: dict[str, Any] = {
@@ -436,6 +447,9 @@ def main() -> None:
         worker.sequence_packing = best["packed"]
         worker.use_head_logprobs = True
         logprob_head.COMPILE_ON_CUDA = True
+        if not logprob_head.STATIC_VOCAB:
+            logprob_head.STATIC_VOCAB = True
+            logprob_head._KERNELS.clear()
 
         async def step() -> None:
             await worker.begin_train_step()

@@ -91,6 +91,10 @@ _KERNELS: dict[str, Callable[..., Any]] = {}
 # Set to False to run the eager passes on CUDA too (benchmarks compare both; a platform whose
 # compiler stack is broken can fall back).
 COMPILE_ON_CUDA = True
+# Compile the passes for the model's vocabulary size (only the row count is symbolic), so
+# inductor knows every row's length and alignment; False: every size symbolic (one kernel for
+# any vocabulary, as before; benchmarks compare both).
+STATIC_VOCAB = True
 
 
 def _kernels(device: torch.device) -> tuple[Callable[..., Any], Callable[..., Any]]:
@@ -98,9 +102,17 @@ def _kernels(device: torch.device) -> tuple[Callable[..., Any], Callable[..., An
     if device.type != "cuda" or not COMPILE_ON_CUDA:
         return _head_reduce, _head_grad
     if not _KERNELS:
-        _KERNELS["reduce"] = torch.compile(_head_reduce, dynamic=True)
-        _KERNELS["grad"] = torch.compile(_head_grad, dynamic=True)
+        dynamic = None if STATIC_VOCAB else True
+        _KERNELS["reduce"] = torch.compile(_head_reduce, dynamic=dynamic)
+        _KERNELS["grad"] = torch.compile(_head_grad, dynamic=dynamic)
     return _KERNELS["reduce"], _KERNELS["grad"]
+
+
+def _rows_dynamic(*tensors: torch.Tensor) -> None:
+    """Mark the row dimension symbolic, so chunks of any row count share one compiled kernel
+    (the vocabulary size stays a constant when STATIC_VOCAB)."""
+    for tensor in tensors:
+        torch._dynamo.maybe_mark_dynamic(tensor, 0)
 
 
 class _HeadLogprobs(torch.autograd.Function):
@@ -123,8 +135,10 @@ class _HeadLogprobs(torch.autograd.Function):
         for start in range(0, rows, chunk_tokens):
             end = min(rows, start + chunk_tokens)
             torch.mm(hidden[start:end], weight_c.t(), out=logits[start:end])
+            chunk_logits, chunk_targets = logits[start:end], targets[start:end]
+            _rows_dynamic(chunk_logits, chunk_targets)
             lse[start:end], logprobs[start:end], entropy[start:end] = reduce(
-                logits[start:end], targets[start:end], inv_temperature
+                chunk_logits, chunk_targets, inv_temperature
             )
         ctx.save_for_backward(hidden, weight, targets, logits, lse, entropy)
         ctx.inv_temperature = inv_temperature
@@ -148,15 +162,16 @@ class _HeadLogprobs(torch.autograd.Function):
         )
         for start in range(0, hidden.shape[0], ctx.chunk_tokens):
             end = min(hidden.shape[0], start + ctx.chunk_tokens)
-            grad_logits = grad_kernel(
+            chunk = (
                 logits[start:end],
                 targets[start:end],
                 lse[start:end],
                 entropy[start:end],
                 grad_logprobs[start:end].float(),
                 grad_entropy[start:end].float(),
-                ctx.inv_temperature,
             )
+            _rows_dynamic(*chunk)
+            grad_logits = grad_kernel(*chunk, ctx.inv_temperature)
             if grad_hidden is not None:
                 torch.mm(grad_logits, weight_c, out=grad_hidden[start:end])
             if grad_weight is not None:
