@@ -121,6 +121,8 @@ def build_controller(
         generation_timeout_s=failure.generation_timeout_s,
         # Coalesced calls finish together: a rollout deadline would time its batchmates too.
         coalesce_calls=parts.coalesce_generate_calls and failure.rollout_timeout_s is None,
+        # One engine batch per call, so early groups still come back early.
+        max_requests_per_call=cfg.policy.generation.max_batch_size,
     )
     barrier = CheckpointBarrier()
     generation_cfg = cfg.policy.generation

@@ -11,15 +11,21 @@ Coalescing (``coalesce_calls=True``, used for Ray workers, where each remote cal
 a millisecond of CPU on each side): the calls routed to one worker during one turn of the event
 loop travel as one ``generate_groups`` call. When a step's capacity frees, the rollout pump
 starts every admitted group in the same turn, so a whole step's groups (16 of 8 requests on the
-default job) become one remote call instead of 16 (measured with Ray 2.60 on this job's
-requests: 10-13 ms of CPU per step on each side become about 2 ms). Each caller still gets only
-its own results or its own exception (``generate_groups`` returns one outcome per call); a
-worker death fails every call of the batch, as it would have failed each of them. The price: a
-call's results arrive when the whole batch is done, so a fast call would share a slow
-batchmate's clock. Hence with ``generation_timeout_s`` set the pool does not coalesce (and
-``build_controller`` does not ask for it when ``rollout_timeout_s`` is set): every deadline
-keeps timing its own call. A Ray streaming generator that yields each call's results as they
-finish costs as much CPU as separate calls, so it is not used.
+default job) become a few remote calls instead of 16 (measured with Ray 2.60 on this job's
+requests: 16 calls cost 10-13 ms of CPU per step on each side, one call about 2 ms). Each caller
+still gets only its own results or its own exception (``generate_groups`` returns one outcome
+per call); a worker death fails every call of the batch, as it would have failed each of them.
+
+The price: a call's results arrive when its whole batch is done. ``max_requests_per_call``
+(the engine's decode batch, ``policy.generation.max_batch_size``) bounds that wait: a batch
+holds at most that many requests (a larger call travels alone), so the engine admits a batch
+about when it admits its first request, and a caller waits for at most one engine batch's
+worth of its batchmates; early groups still come back early (the streaming sampler trains on
+them while the rest generate). A fast call would also share a slow batchmate's clock, so with
+``generation_timeout_s`` set the pool does not coalesce (and ``build_controller`` does not ask
+for it when ``rollout_timeout_s`` is set): every deadline keeps timing its own call. A Ray
+streaming generator that yields each call's results as they finish costs as much CPU as
+separate calls, so it is not used.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ class _Worker:
     pending: list[tuple[list[GenerationRequest], asyncio.Future[list[GenerationResult]]]] = field(
         default_factory=list
     )
+    pending_requests: int = 0
 
 
 def is_worker_death(exc: BaseException) -> bool:
@@ -68,6 +75,7 @@ class GenerationPool:
         *,
         generation_timeout_s: float | None = None,
         coalesce_calls: bool = False,
+        max_requests_per_call: int | None = None,
     ) -> None:
         if not engines:
             raise ValueError("GenerationPool needs at least one engine")
@@ -75,6 +83,9 @@ class GenerationPool:
         self.generation_timeout_s = generation_timeout_s
         # A deadline times one call; in a batch it would time its batchmates too (see above).
         self.coalesce_calls = coalesce_calls and generation_timeout_s is None
+        if max_requests_per_call is not None and max_requests_per_call < 1:
+            raise ValueError(f"max_requests_per_call must be >= 1, got {max_requests_per_call}")
+        self.max_requests_per_call = max_requests_per_call  # None: one batch per turn
         self.timeouts = 0
         self.dead_workers: list[int] = []
         # Calls made to the engines' generate methods (a coalesced batch counts once).
@@ -157,13 +168,19 @@ class GenerationPool:
             self.engine_calls += 1
             return worker.engine.generate(requests)
         future: asyncio.Future[list[GenerationResult]] = asyncio.get_running_loop().create_future()
+        cap = self.max_requests_per_call
+        if worker.pending and cap is not None and worker.pending_requests + len(requests) > cap:
+            self._send_pending(worker)  # full: send it now, start the next batch
         if not worker.pending:
             asyncio.get_running_loop().call_soon(self._send_pending, worker)
         worker.pending.append((requests, future))
+        worker.pending_requests += len(requests)
         return future
 
     def _send_pending(self, worker: _Worker) -> None:
-        batch, worker.pending = worker.pending, []
+        batch, worker.pending, worker.pending_requests = worker.pending, [], 0
+        if not batch:  # sent early because it filled up
+            return
         task = asyncio.get_running_loop().create_task(self._send_batch(worker, batch))
         self._batches.add(task)
         task.add_done_callback(self._batches.discard)

@@ -52,6 +52,29 @@ def test_calls_made_in_one_turn_travel_as_one_engine_call():
     ]
 
 
+def test_a_batch_holds_at_most_max_requests_per_call():
+    async def main():
+        engine = RecordingEngine(seed=0)
+        pool = GenerationPool([engine], coalesce_calls=True, max_requests_per_call=6)
+        names = [f"g{i}" for i in range(5)]
+        calls = [pool.generate(group(name)) for name in names]  # 3 requests each
+        calls.append(pool.generate(group("big", size=8)))  # larger than the cap: alone
+        calls.append(pool.generate(group("tail")))
+        results = await asyncio.gather(*calls)
+        return engine, pool, results
+
+    engine, pool, results = asyncio.run(main())
+    assert engine.batches == [["g0", "g1"], ["g2", "g3"], ["g4"], ["big"], ["tail"]]
+    assert pool.engine_calls == 5
+    assert [len(result) for result in results] == [3, 3, 3, 3, 3, 8, 3]
+    assert [r.request_id for r in results[5]] == [f"big/{i}" for i in range(8)]
+
+
+def test_max_requests_per_call_must_be_positive():
+    with pytest.raises(ValueError, match="max_requests_per_call must be >= 1"):
+        GenerationPool([FakeGenerationBackend()], coalesce_calls=True, max_requests_per_call=0)
+
+
 def test_without_coalescing_each_call_is_its_own_engine_call():
     async def main():
         engine = RecordingEngine(seed=0)
