@@ -50,6 +50,10 @@ from tandemrl.training.api import Trainer
 
 log = logging.getLogger(__name__)
 
+# Container allocations between two young garbage collections while a run is on (Python's
+# default is 700); see ``run``.
+GC_YOUNG_THRESHOLD = 10_000
+
 
 class StepShrunkTooFar(RuntimeError):
     """Dropped prompts left a step below async_rl.rollout_failure.min_step_batch_fraction."""
@@ -199,8 +203,13 @@ class SingleController:
         # Everything alive now (torch, Ray, the dataset) outlives the run: frozen, it is not
         # rescanned by the collector's full passes (each one stalls both pumps for a scan of
         # the whole startup heap, and the run's own allocations keep triggering them).
-        # Unfrozen when the run ends.
+        # Young collections run every GC_YOUNG_THRESHOLD allocations instead of 700: most of a
+        # group's records have died by then, so fewer survive to be scanned again (callgrind,
+        # control_plane.py: collections took 3.5% of the run's instructions at 700; 10,000 cut
+        # the total by 2.6%). Both are undone when the run ends.
         gc.freeze()
+        thresholds = gc.get_threshold()
+        gc.set_threshold(GC_YOUNG_THRESHOLD, *thresholds[1:])
         try:
             pending: set[asyncio.Future[Any]] = {*background, train, self._group_crash}
             while train in pending:
@@ -209,6 +218,7 @@ class SingleController:
                     task.result()  # re-raises a pump's exception with its original traceback
             await self._final_checkpoint()
         finally:
+            gc.set_threshold(*thresholds)
             gc.unfreeze()
             await self.shutdown(*background, train)
         return self.history

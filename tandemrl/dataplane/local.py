@@ -138,8 +138,9 @@ class LocalDataPlane(DataPlane):
         }
 
     async def clear(self, keys: Iterable[str]) -> None:
+        pop = self._rows.pop
         for key in keys:
-            self._rows.pop(key, None)
+            pop(key, None)
 
     async def keys(self) -> list[str]:
         return list(self._rows)

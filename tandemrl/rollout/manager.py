@@ -239,9 +239,12 @@ class RolloutManager:
             requests = self._requests(group, pending, attempt, prompt_ids)
             self.active_requests[group.group_id] = requests
             try:
-                results = await self._generate_within_rollout_deadline(
-                    group, requests, attempt_started=time.monotonic()
-                )
+                if self.failure_cfg.rollout_timeout_s is None:  # one coroutine level less
+                    results = await self.generation.generate(requests)
+                else:
+                    results = await self._generate_within_rollout_deadline(
+                        group, requests, attempt_started=time.monotonic()
+                    )
             except NoGenerationWorkers:
                 raise
             except Exception as exc:
@@ -285,7 +288,7 @@ class RolloutManager:
     ) -> list[GenerationResult]:
         """One generation call, bounded by rollout_timeout_s of awake time (None: unbounded)."""
         timeout = self.failure_cfg.rollout_timeout_s
-        if timeout is None:
+        if timeout is None:  # _generate_all_siblings calls the pool itself then
             return await self.generation.generate(requests)
         call = asyncio.ensure_future(self.generation.generate(requests))
         frozen_at_start = await self.generation.frozen_time()

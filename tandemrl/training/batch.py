@@ -31,6 +31,7 @@ import struct
 from array import array
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
+from operator import attrgetter
 
 import torch
 import torch.nn.functional as F
@@ -236,9 +237,12 @@ def _collate_blocks(blocks: list[RowBlock], pad_token_id: int) -> TrainBatch:
             batch[key] = value if value.dtype == torch.long else value.long()
         else:
             batch[key] = value if value.dtype == torch.float32 else value.to(torch.float32)
-    attention_mask = (torch.arange(max_len)[None, :] < torch.tensor(lengths)[:, None]).long()
-    if pad_token_id != 0 and min(lengths) < max_len:
-        batch["input_ids"] = batch["input_ids"].masked_fill(attention_mask == 0, pad_token_id)
+    if min(lengths) == max_len:  # no padding anywhere (one tensor instead of three)
+        attention_mask = torch.ones((len(lengths), max_len), dtype=torch.long)
+    else:
+        attention_mask = (torch.arange(max_len)[None, :] < torch.tensor(lengths)[:, None]).long()
+        if pad_token_id != 0:
+            batch["input_ids"] = batch["input_ids"].masked_fill(attention_mask == 0, pad_token_id)
     batch["attention_mask"] = attention_mask
     return batch
 
@@ -291,11 +295,18 @@ def _joined_buffers(blocks: list[RowBlock], max_len: int) -> dict[str, torch.Ten
     return joined
 
 
-def _buffer_layout(block: RowBlock) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+_TYPECODE = attrgetter("typecode")
+
+
+def _buffer_layout(block: RowBlock) -> tuple[list[str], list[str], list[str], list[str]]:
+    """The block's buffer names and typecodes, in order (per token, then per row)."""
     assert block.per_token_buffers is not None and block.per_row_buffers is not None
+    per_token, per_row = block.per_token_buffers, block.per_row_buffers
     return (
-        [(key, buffer.typecode) for key, buffer in block.per_token_buffers.items()],
-        [(key, buffer.typecode) for key, buffer in block.per_row_buffers.items()],
+        list(per_token),
+        list(map(_TYPECODE, per_token.values())),
+        list(per_row),
+        list(map(_TYPECODE, per_row.values())),
     )
 
 
