@@ -20,7 +20,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from operator import attrgetter
 from pathlib import Path
 
 import torch
@@ -31,8 +30,6 @@ RowView = Mapping[str, torch.Tensor]
 
 
 _STR_ONLY = {str}
-_ARRAY_ONLY = {array}
-_TYPECODE = attrgetter("typecode")
 
 # Flat buffers a RowBlock may be built from, by ``array.array`` typecode.
 BUFFER_DTYPES: dict[str, torch.dtype] = {
@@ -44,20 +41,6 @@ BUFFER_DTYPES: dict[str, torch.dtype] = {
     "f": torch.float32,
     "d": torch.float64,
 }
-_BUFFER_TYPECODES = frozenset(BUFFER_DTYPES)
-
-
-def _plain_buffers(buffers: dict[str, array], size: int) -> bool:
-    """True when every entry is a non-empty str name and an ``array.array`` of ``size`` values
-    with a typecode of ``BUFFER_DTYPES`` (checked without a Python-level loop)."""
-    values = buffers.values()
-    return not buffers or (
-        set(map(type, buffers)) == _STR_ONLY
-        and "" not in buffers
-        and set(map(type, values)) == _ARRAY_ONLY
-        and set(map(len, values)) == {size}
-        and set(map(_TYPECODE, values)) <= _BUFFER_TYPECODES
-    )
 
 
 class RowBlock:
@@ -130,9 +113,6 @@ class RowBlock:
             (block.per_token_buffers, count * block.width),
             (block.per_row_buffers, count),
         ):
-            if _plain_buffers(buffers, size):
-                continue
-            # Something is off (or unusual, like an array subclass): check entry by entry.
             for name, buffer in buffers.items():
                 if (
                     not isinstance(name, str)

@@ -31,7 +31,6 @@ import struct
 from array import array
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
-from operator import attrgetter
 
 import torch
 import torch.nn.functional as F
@@ -295,18 +294,11 @@ def _joined_buffers(blocks: list[RowBlock], max_len: int) -> dict[str, torch.Ten
     return joined
 
 
-_TYPECODE = attrgetter("typecode")
-
-
-def _buffer_layout(block: RowBlock) -> tuple[list[str], list[str], list[str], list[str]]:
-    """The block's buffer names and typecodes, in order (per token, then per row)."""
+def _buffer_layout(block: RowBlock) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
     assert block.per_token_buffers is not None and block.per_row_buffers is not None
-    per_token, per_row = block.per_token_buffers, block.per_row_buffers
     return (
-        list(per_token),
-        list(map(_TYPECODE, per_token.values())),
-        list(per_row),
-        list(map(_TYPECODE, per_row.values())),
+        [(key, buffer.typecode) for key, buffer in block.per_token_buffers.items()],
+        [(key, buffer.typecode) for key, buffer in block.per_row_buffers.items()],
     )
 
 
