@@ -118,15 +118,15 @@ class PromptDataLoader:
     def _item_at(self, epoch: int, index: int) -> PromptItem:
         dataset_index = self._epoch_order(epoch)[index]
         record = self._records[dataset_index]
-        return PromptItem(
-            prompt_id=prompt_id_for(epoch, index),
-            epoch=epoch,
-            index=index,
-            prompt=record.prompt,
-            answer=record.answer,
-            task_source=record.task_source,
-            agent_ref=record.agent_ref,
-            metadata={**record.metadata, "dataset_index": dataset_index},
+        return PromptItem(  # positional, in field order (keywords cost more per prompt)
+            prompt_id_for(epoch, index),  # prompt_id
+            epoch,
+            index,
+            record.prompt,
+            record.answer,
+            record.task_source,
+            record.agent_ref,
+            {**record.metadata, "dataset_index": dataset_index},  # metadata
         )
 
     def peek(self) -> PromptItem | None:

@@ -101,13 +101,17 @@ class GenerationPool:
         return sum(w.alive for w in self._workers)
 
     def _pick(self) -> _Worker:
-        alive = [w for w in self._workers if w.alive]
-        if not alive:
+        """The live worker with the fewest outstanding requests (the lowest index on ties)."""
+        best = None
+        for worker in self._workers:  # in index order, so only a strictly smaller count wins
+            if worker.alive and (best is None or worker.outstanding < best.outstanding):
+                best = worker
+        if best is None:
             raise NoGenerationWorkers(
                 f"all {len(self._workers)} generation worker(s) died (workers {self.dead_workers}); "
                 "check the worker logs, then resume from the last checkpoint"
             )
-        return min(alive, key=lambda w: (w.outstanding, w.index))
+        return best
 
     def mark_dead(self, worker: _Worker, exc: BaseException) -> None:
         if worker.alive:
