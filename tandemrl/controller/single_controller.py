@@ -157,6 +157,8 @@ class SingleController:
         self._inflight: dict[str, asyncio.Task[None]] = {}
         self._abort_requested: set[str] = set()
         self._rollout_permission = asyncio.Event()
+        # The staleness gate reads the version when it decides (made once, not per admission).
+        self._trainer_version_fn = lambda: self.trainer_version
         self._rollout_permission.set()
         # Set by the next _notify; created only when someone waits (notify runs per group).
         self._changed: asyncio.Event | None = None
@@ -252,10 +254,11 @@ class SingleController:
             self._fill_replacement_reserve()
             if not self._has_prompt():
                 break
-            await self._wait_for_room()
+            if self._no_room():  # only then a coroutine: this runs once per group
+                await self._wait_for_room()
             self.waiting_on["rollout"] = "sampler.admit (staleness gate)"
             blocked_from = time.monotonic()
-            target_step = await self.sampler.admit(trainer_version_fn=lambda: self.trainer_version)
+            target_step = await self.sampler.admit(trainer_version_fn=self._trainer_version_fn)
             # From the admission to the reserved slot without an await: a snapshot sees the
             # admission, the drawn prompt and the ledger entry together, or none of them.
             item = self._take_prompt()
@@ -267,7 +270,8 @@ class SingleController:
             if self.commit_recorder is not None:
                 self.commit_recorder.admitted(group)
             # Generation starts once the engines hold the weights of the group's start version.
-            await self._wait_for_permission()
+            if not self._rollout_permission.is_set():
+                await self._wait_for_permission()
             self._acc.rollout_blocked_s += time.monotonic() - blocked_from
             self._launch(group)
             self.waiting_on["rollout"] = "dispatching"
@@ -301,12 +305,16 @@ class SingleController:
             return self._replacement_reserve.pop(0)
         return item
 
-    async def _wait_for_room(self) -> None:
-        blocked_from = time.monotonic()
-        while (
+    def _no_room(self) -> bool:
+        """True while the in-flight cap or the buffer's capacity holds the next group back."""
+        return (
             len(self._inflight) >= self.settings.max_inflight_prompts
             or not self.buffer.has_capacity()
-        ):
+        )
+
+    async def _wait_for_room(self) -> None:
+        blocked_from = time.monotonic()
+        while self._no_room():
             self.waiting_on["rollout"] = (
                 f"room: in-flight {len(self._inflight)}/{self.settings.max_inflight_prompts}, "
                 f"buffer {len(self.buffer)}/{self.buffer.capacity}"
@@ -325,8 +333,27 @@ class SingleController:
         self.inflight_started_at[group.group_id] = time.monotonic()
 
     async def _run_group(self, group: UnfinishedGroup) -> None:
+        # One coroutine drives the group (each await level costs every resume of the task).
         try:
-            await self._drive_group(group)
+            try:
+                await self.rollout_manager.generate_and_push(group)
+                self.last_progress_at = time.monotonic()
+            except RolloutDropped as dropped:
+                self._acc.dropped_prompts += 1
+                try:
+                    self._after_drop(group, dropped.slot)
+                finally:
+                    self._log_dropped(group)
+            except GroupAborted:
+                self._acc.aborted_groups += 1
+                self._log_dropped(group)
+            except asyncio.CancelledError:
+                if group.group_id in self._abort_requested and not self._stopping:
+                    await self.rollout_manager.drop_aborted(group)
+                    self._acc.aborted_groups += 1
+                    self._log_dropped(group)
+                else:
+                    raise
         except Exception as exc:
             # A budget exceeded, every worker dead, a step shrunk too far: the run must end
             # with this exception instead of the group task dying unobserved.
@@ -337,27 +364,6 @@ class SingleController:
             self.inflight_started_at.pop(group.group_id, None)
             self._abort_requested.discard(group.group_id)
             self._notify()
-
-    async def _drive_group(self, group: UnfinishedGroup) -> None:
-        try:
-            await self.rollout_manager.generate_and_push(group)
-            self.last_progress_at = time.monotonic()
-        except RolloutDropped as dropped:
-            self._acc.dropped_prompts += 1
-            try:
-                self._after_drop(group, dropped.slot)
-            finally:
-                self._log_dropped(group)
-        except GroupAborted:
-            self._acc.aborted_groups += 1
-            self._log_dropped(group)
-        except asyncio.CancelledError:
-            if group.group_id in self._abort_requested and not self._stopping:
-                await self.rollout_manager.drop_aborted(group)
-                self._acc.aborted_groups += 1
-                self._log_dropped(group)
-            else:
-                raise
 
     def _log_dropped(self, group: UnfinishedGroup) -> None:
         if self.commit_recorder is not None:
@@ -481,14 +487,15 @@ class SingleController:
         rows = await self.data_plane.get([sid for slot in slots for sid in slot.sample_ids])
         await self.step_runner.train_chunk(slots, rows, step_num_sequences=step_num_sequences)
         for slot in slots:
-            trained = TrainedGroup(
-                group_id=slot.group_id,
-                start_weight=slot.start_weight,
-                end_weight=slot.end_weight,
-                target_step=slot.target_step,
-                staleness=version - slot.start_weight,
-                rewards=[meta.reward for meta in slot.rows_meta],
-                completion_tokens=sum([meta.num_completion_tokens for meta in slot.rows_meta]),
+            metas = slot.rows_meta
+            trained = TrainedGroup(  # positional, in field order: this runs once per group
+                slot.group_id,
+                slot.start_weight,
+                slot.end_weight,
+                slot.target_step,
+                version - slot.start_weight,  # staleness
+                [meta.reward for meta in metas],  # rewards
+                sum([meta.num_completion_tokens for meta in metas]),  # completion_tokens
             )
             self._acc.groups.append(trained)
             self.trained_groups.append((self.state.step, trained))
