@@ -121,7 +121,6 @@ class CountingEnv(Environment):
         item_metadata = self.item_metadata(item)
         eos_strings = self.eos_strings
         marker_starts = self._marker_starts
-        target_length = len(target)
         results: list[EnvResult] = []
         for completion, was_truncated in zip(completions, truncated, strict=True):
             if marker_starts is not None and marker_starts.isdisjoint(completion):
@@ -135,8 +134,6 @@ class CountingEnv(Environment):
                 "truncated": was_truncated,
                 **item_metadata,
             }
-            # positional_match_reward(target, cleaned), inlined: this runs per completion.
-            longest = max(target_length, len(cleaned))
-            reward = sum(map(operator.eq, target, cleaned)) / longest if longest else 0.0
+            reward = positional_match_reward(target, cleaned)
             results.append(EnvResult(reward, True, metadata))  # reward, keep
         return results

@@ -286,10 +286,9 @@ class RolloutManager:
     async def _generate_within_rollout_deadline(
         self, group: UnfinishedGroup, requests: list[GenerationRequest], *, attempt_started: float
     ) -> list[GenerationResult]:
-        """One generation call, bounded by rollout_timeout_s of awake time (None: unbounded)."""
+        """One generation call, bounded by rollout_timeout_s of awake time."""
         timeout = self.failure_cfg.rollout_timeout_s
-        if timeout is None:  # _generate_all_siblings calls the pool itself then
-            return await self.generation.generate(requests)
+        assert timeout is not None  # without one, _generate_all_siblings calls the pool itself
         call = asyncio.ensure_future(self.generation.generate(requests))
         frozen_at_start = await self.generation.frozen_time()
         remaining = timeout
@@ -398,10 +397,6 @@ class RolloutManager:
             keeps.append(keep)
             completions.append(result.token_ids)
             logprobs.append(result.logprobs)
-            # result.end_weight_version, inlined: this runs per generated sequence.
-            versions = result.token_weight_versions
-            start_weight = result.start_weight_version
-            end_weight = versions[-1] if versions else start_weight
             metas.append(
                 RowMeta(  # positional, in field order (see _requests; tested by name)
                     sample_id,
@@ -412,8 +407,8 @@ class RolloutManager:
                     len(result.prompt_token_ids),
                     len(result.token_ids),
                     truncated,
-                    start_weight,
-                    end_weight,
+                    result.start_weight_version,
+                    result.end_weight_version,
                 )
             )
         block = make_group_block(
