@@ -11,13 +11,22 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 
 class Strict(BaseModel):
     """Base for config blocks: unknown keys are errors, values are checked on assignment."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def _yaml_switch(value: Any) -> Any:
+    # YAML 1.1 reads a bare on/off as a boolean.
+    return {True: "on", False: "off"}[value] if isinstance(value, bool) else value
+
+
+# A three-way setting: "auto" (the code decides), "on" or "off"; a YAML on/off also works.
+Switch = Annotated[Literal["auto", "on", "off"], BeforeValidator(_yaml_switch)]
 
 
 # --------------------------------------------------------------------------- policy
@@ -52,7 +61,7 @@ class TorchGenerationConfig(Strict):
     # Static-cache decode with CUDA graphs: "auto" on CUDA for Qwen2/Llama-family models,
     # "on" (refused for other models; on CPU the same step runs eagerly), "off" (the
     # transformers DynamicCache batch).
-    cuda_graphs: Literal["auto", "on", "off"] = "auto"
+    cuda_graphs: Switch = "auto"
     # torch.compile the static step's fused elementwise work (CUDA only).
     compile: bool = True
     # Positions per slot of the static cache (prompt + completion); a sequence that reaches it
@@ -61,12 +70,6 @@ class TorchGenerationConfig(Strict):
     # Share of the free device memory the static cache may take; fewer slots than
     # max_batch_size when it holds fewer.
     kv_cache_memory_fraction: float = Field(0.5, gt=0.0, le=1.0)
-
-    @field_validator("cuda_graphs", mode="before")
-    @classmethod
-    def _yaml_switch(cls, value: Any) -> Any:
-        # YAML 1.1 reads a bare on/off as a boolean.
-        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
 
 class GenerationConfig(Strict):
@@ -148,13 +151,7 @@ class PolicyConfig(Strict):
     # counts real tokens. "auto": on where it pays (CUDA with torch's varlen attention and a
     # supported model), "on": always (CPU uses a reference attention; an unsupported model
     # is refused), "off": padded micro-batches.
-    sequence_packing: Literal["auto", "on", "off"] = "auto"
-
-    @field_validator("sequence_packing", mode="before")
-    @classmethod
-    def _yaml_packing_switch(cls, value: Any) -> Any:
-        # YAML 1.1 reads a bare on/off as a boolean.
-        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+    sequence_packing: Switch = "auto"
 
 
 # --------------------------------------------------------------------------- algorithms
