@@ -12,6 +12,7 @@
   actor; the device machine has no Ray).
 - ``device_plan``: which CUDA device the trainer and each engine use, from
   ``policy.generation.colocated`` (enabled / resources.gpus_per_node) and the GPU count.
+- ``write_result``: a benchmark's result as ``<out>/<name>.json`` and its ``RESULT`` line.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import json
 import math
 import random
 import threading
@@ -88,6 +90,15 @@ def build_model_folder(size: str, folder: Path, *, device: str = "cpu") -> Path:
     model.save_pretrained(folder, safe_serialization=True)
     del model
     return folder
+
+
+def write_result(out: Path | None, name: str, result: dict[str, Any]) -> None:
+    """Write ``result`` to ``<out>/<name>.json`` (when ``out`` is set), then print
+    ``RESULT {json}``."""
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(f"RESULT {json.dumps(result)}", flush=True)
 
 
 def parameter_count(model: torch.nn.Module) -> int:

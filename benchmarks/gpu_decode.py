@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_common import EOS_TOKEN_ID, QWEN2_SIZES, build_model_folder
+from gpu_common import EOS_TOKEN_ID, QWEN2_SIZES, build_model_folder, write_result
 
 from tandemrl.generation import decode_attention
 from tandemrl.generation.static_decode import StaticDecoder, kv_bytes_per_token
@@ -305,10 +305,7 @@ def main() -> None:
                 row["attention"] = attention
                 result["engine"].append(row)
                 print("engine", json.dumps(row), flush=True)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "decode_graph.json").write_text(json.dumps(result, indent=1) + "\n")
-    print(f"RESULT {json.dumps(result)}", flush=True)
+    write_result(args.out, "decode_graph", result)
 
 
 if __name__ == "__main__":

@@ -15,10 +15,15 @@ import argparse
 import functools
 import itertools
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_common import write_result
 
 from tandemrl.generation import decode_attention as attention
 
@@ -90,10 +95,7 @@ def main() -> None:
         rows_out.sort(key=lambda row: row.get("us_per_layer", float("inf")))
         result[str(rows)] = rows_out
         print(rows, "rows, fastest:", json.dumps(rows_out[:5]), flush=True)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "decode_attention.json").write_text(json.dumps(result, indent=1) + "\n")
-    print(f"RESULT {json.dumps(result)}", flush=True)
+    write_result(args.out, "decode_attention", result)
 
 
 if __name__ == "__main__":
