@@ -192,6 +192,19 @@ def split_by_rows_and_tokens(
             start, longest_with = index, length
         longest = longest_with
     bounds.append((start, len(lengths)))
+    return slice_rows(batch, bounds)
+
+
+def split_packed_rows(batch: TrainBatch, max_rows: int, max_tokens: int | None) -> list[TrainBatch]:
+    """Consecutive micro-batches for packing: at most ``max_rows`` rows and, when set, at most
+    ``max_tokens`` real tokens each (``packing.split_packed``)."""
+    lengths = batch["attention_mask"].sum(dim=1).tolist()
+    return slice_rows(batch, split_packed(lengths, max_rows, max_tokens))
+
+
+def slice_rows(batch: TrainBatch, bounds: list[tuple[int, int]]) -> list[TrainBatch]:
+    """``batch``'s rows ``lo:hi`` for each (lo, hi) of ``bounds`` (fields without the batch
+    dimension are shared)."""
     size = batch["input_ids"].shape[0]
     return [
         {
@@ -199,20 +212,6 @@ def split_by_rows_and_tokens(
             for key, value in batch.items()
         }
         for lo, hi in bounds
-    ]
-
-
-def split_packed_rows(batch: TrainBatch, max_rows: int, max_tokens: int | None) -> list[TrainBatch]:
-    """Consecutive micro-batches for packing: at most ``max_rows`` rows and, when set, at most
-    ``max_tokens`` real tokens each (``packing.split_packed``)."""
-    lengths = batch["attention_mask"].sum(dim=1).tolist()
-    size = batch["input_ids"].shape[0]
-    return [
-        {
-            key: value[lo:hi] if value.dim() > 0 and value.shape[0] == size else value
-            for key, value in batch.items()
-        }
-        for lo, hi in split_packed(lengths, max_rows, max_tokens)
     ]
 
 
