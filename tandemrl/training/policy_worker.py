@@ -294,8 +294,6 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
         blocker = packing_blocker(self.model)
         if blocker is None and not self.use_head_logprobs:
             blocker = "its logits are not a plain lm_head of the last hidden state"
-        if blocker is None and self._no_mask is None:
-            blocker = "it has attention layers other than full attention"
         if setting == "on":
             if blocker is not None:
                 raise ValueError(
