@@ -70,6 +70,10 @@ class TorchGenerationConfig(Strict):
     # Share of the free device memory the static cache may take; fewer slots than
     # max_batch_size when it holds fewer.
     kv_cache_memory_fraction: float = Field(0.5, gt=0.0, le=1.0)
+    # Queued requests join the running batch once this many rows are free (or all of them
+    # fit, or nothing runs): fewer, larger prefill passes. None: a quarter of max_batch_size
+    # on the DynamicCache path, 1 on the static path.
+    admission_batch: int | None = Field(None, ge=1)
 
 
 class GenerationConfig(Strict):

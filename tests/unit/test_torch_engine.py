@@ -348,6 +348,39 @@ def test_max_batch_size_caps_the_running_batch(model_path: Path, model: PreTrain
     run_with_engine(model_path, body, max_batch_size=2, eos_token_ids=())
 
 
+@pytest.mark.parametrize("admission_batch", [1, 3])
+def test_admission_waits_for_a_group_of_free_rows(
+    model_path: Path, model: PreTrainedModel, admission_batch: int
+) -> None:
+    """Rows free one per step (distinct lengths); queued requests enter ``admission_batch`` at
+    a time while more wait than fit, yet every result is what an unbatched generate gives."""
+    lengths = [2, 3, 4, 5, 6, 7, 8, 9]
+
+    async def body(engine: TorchGenerationEngine) -> None:
+        requests = [
+            GenerationRequest(f"r{i}", PROMPTS[i % len(PROMPTS)], n, temperature=0.0)
+            for i, n in enumerate(lengths)
+        ]
+        results = await engine.generate(requests)
+        assert engine.stats.max_running_batch == 4
+        # One admission of 4, then one per freed row, or one per admission_batch freed rows
+        # and a last one for what is left (all of it fits).
+        assert engine.stats.admissions == (5 if admission_batch == 1 else 3)
+        for request, result in zip(requests, results, strict=True):
+            assert result.token_ids == greedy_reference(
+                model, request.prompt_token_ids, request.max_new_tokens, eos=None
+            )
+
+    run_with_engine(
+        model_path, body, max_batch_size=4, admission_batch=admission_batch, eos_token_ids=()
+    )
+
+
+def test_admission_batch_must_be_positive(model_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"policy\.generation\.torch\.admission_batch"):
+        TorchGenerationEngine(model_path, device="cpu", admission_batch=0)
+
+
 # --------------------------------------------------------------------------- weight updates
 
 
