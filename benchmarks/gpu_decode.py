@@ -15,7 +15,12 @@ Three measurements on a random-init Qwen2 of a real size (``gpu_common.QWEN2_SIZ
 
 ``--attention kernel torch``: the static step's decode attention as one Triton kernel
 (``decode_attention.py``, the default) or as the torch reference (two batched products around
-a softmax); the graph and engine rows are measured for each.
+a softmax); the graph and engine rows are measured for each. ``--sampler kernel torch``: the
+sampling draw as one Triton kernel (``decode_sampler.py``) or as the torch passes.
+``--compile-modes``: ``torch.compile`` modes of the graph's compiled step (``default``,
+``max-autotune-no-cudagraphs``). ``--admission-batches`` with ``--workload longtail``: the engine
+over 4 x rows requests of lognormal lengths (rows join as others finish), for each
+``admission_batch``. ``--profile-prefill``: the admission prefill of ``rows`` prompts alone.
 
     python benchmarks/gpu_decode.py --size tiny --check-only          # CPU
     python benchmarks/gpu_decode.py --size 0.5b --batches 64 256      # GPU
@@ -38,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_common import EOS_TOKEN_ID, QWEN2_SIZES, build_model_folder, write_result
 
-from tandemrl.generation import decode_attention
+from tandemrl.generation import decode_attention, decode_sampler
 from tandemrl.generation.static_decode import StaticDecoder, kv_bytes_per_token
 from tandemrl.generation.torch_engine import TorchGenerationEngine
 from tandemrl.models import load_causal_lm
@@ -82,7 +87,7 @@ def count_kernels(decoder: StaticDecoder, rows: int, length: int) -> dict[str, A
     for event in trace.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             kernels.setdefault(event.name, []).append(event.device_time)
-    top = sorted(kernels.items(), key=lambda item: -sum(item[1]))[:12]
+    top = sorted(kernels.items(), key=lambda item: -sum(item[1]))[:40]
     return {
         "kernels_per_step": sum(len(times) for times in kernels.values()),
         "kernel_us_per_step": sum(sum(times) for times in kernels.values()),
@@ -100,6 +105,7 @@ def bench_graph(
     steps: int,
     compile_step: bool,
     bandwidth: float,
+    compile_mode: str | None = None,
 ) -> dict[str, Any]:
     max_len = context + steps + 8
     decoder = StaticDecoder(
@@ -108,6 +114,7 @@ def bench_graph(
         max_len=max_len,
         use_graphs=True,
         compile_step=compile_step,
+        compile_mode=compile_mode,
     )
     decoder.cache.normal_()
     busy = list(range(rows))
@@ -161,16 +168,27 @@ def bench_graph(
 
 
 async def bench_engine(
-    folder: Path, rows: int, prompt_len: int, steps: int, cuda_graphs: str, pipeline: bool
+    folder: Path,
+    rows: int,
+    prompt_len: int,
+    steps: int,
+    cuda_graphs: str,
+    pipeline: bool,
+    admission_batch: int | None = None,
+    workload: str = "uniform",
 ) -> dict[str, Any]:
+    """``uniform``: ``rows`` requests of ``steps`` tokens, admitted at once; ``longtail``:
+    4 x ``rows`` requests of lognormal lengths (median ``steps / 2``, at most ``2 x steps``)."""
+    longest = steps if workload == "uniform" else 2 * steps
     engine = TorchGenerationEngine(
         folder,
         device="cuda",
         max_batch_size=rows,
         eos_token_ids=[EOS_TOKEN_ID],
         cuda_graphs=cuda_graphs,
-        max_seq_len=prompt_len + steps + 64,
+        max_seq_len=prompt_len + longest + 64,
         pipeline_steps=pipeline,
+        admission_batch=admission_batch,
     )
     step = engine._step
     busy = [0.0]
@@ -200,25 +218,31 @@ async def bench_engine(
     vocab = engine.vocab_size
 
     def requests(tag: str, count: int, new_tokens: int) -> list[GenerationRequest]:
+        lengths = [new_tokens] * count
+        if workload == "longtail":
+            draws = torch.randn(count, generator=generator) * 0.7
+            lengths = (new_tokens / 2 * draws.exp()).clamp(8, 2 * new_tokens).long().tolist()
         return [
             GenerationRequest(
                 request_id=f"{tag}{row}",
                 prompt_token_ids=torch.randint(
                     3, vocab, (prompt_len,), generator=generator
                 ).tolist(),
-                max_new_tokens=new_tokens,
+                max_new_tokens=lengths[row],
                 stop_token_ids=(),
             )
             for row in range(count)
         ]
 
+    count = rows if workload == "uniform" else 4 * rows
     engine.eos_token_ids = frozenset()
     warm_started = time.perf_counter()
-    await engine.generate(requests("w", rows, steps))  # compiles and captures what the run uses
+    await engine.generate(requests("w", count, steps))  # compiles and captures what it uses
     warm_s = time.perf_counter() - warm_started
     busy[0], prefill_s[0], steps_before = 0.0, 0.0, engine.stats.decode_steps
+    admissions_before = engine.stats.admissions
     started = time.perf_counter()
-    results = await engine.generate(requests("r", rows, steps))
+    results = await engine.generate(requests("r", count, steps))
     elapsed = time.perf_counter() - started
     decode_steps = engine.stats.decode_steps - steps_before
     tokens = sum(len(result.token_ids) for result in results)
@@ -227,6 +251,11 @@ async def bench_engine(
         "cuda_graphs": cuda_graphs,
         "static": engine.static_decode,
         "pipeline": pipeline,
+        "workload": workload,
+        "admission_batch": engine.admission_batch,
+        "admissions": engine.stats.admissions - admissions_before,
+        "decode_steps": decode_steps,
+        "mean_rows": tokens / max(decode_steps, 1),
         "tok_s": tokens / elapsed,
         "ms_per_step": 1e3 * busy[0] / max(decode_steps, 1),
         "prefill_s": prefill_s[0],
@@ -239,6 +268,46 @@ async def bench_engine(
     return out
 
 
+def profile_prefill(model: Any, rows: int, prompt_len: int) -> dict[str, Any]:
+    """The admission prefill of ``rows`` random prompts into a static decoder: wall time
+    (median of 3 after a warm-up) and the largest kernels of one traced run."""
+    from torch.profiler import ProfilerActivity, profile
+
+    decoder = StaticDecoder(
+        model, slots=rows, max_len=prompt_len + 8, use_graphs=False, compile_step=False
+    )
+    generator = torch.Generator().manual_seed(1)
+    prompts = torch.randint(3, model.config.vocab_size, (rows, prompt_len), generator=generator)
+    prefixes = prompts.tolist()
+    slots = list(range(rows))
+    times = []
+    for _ in range(4):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        decoder.prefill(slots, prefixes)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as trace:
+        decoder.prefill(slots, prefixes)
+        torch.cuda.synchronize()
+    kernels: dict[str, list[float]] = {}
+    for event in trace.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.setdefault(event.name, []).append(event.device_time)
+    top = sorted(kernels.items(), key=lambda item: -sum(item[1]))[:15]
+    result = {
+        "rows": rows,
+        "prompt_len": prompt_len,
+        "prefill_ms": 1e3 * sorted(times[1:])[1],
+        "kernels": sum(len(t) for t in kernels.values()),
+        "kernel_ms": sum(sum(t) for t in kernels.values()) / 1e3,
+        "top": [{"name": name[:90], "count": len(t), "us": round(sum(t), 1)} for name, t in top],
+    }
+    del decoder
+    torch.cuda.empty_cache()
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="0.5b", choices=sorted(QWEN2_SIZES))
@@ -247,10 +316,23 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--steps", type=int, default=128)
     parser.add_argument("--compile", nargs="+", default=["off", "on"], choices=["off", "on"])
+    parser.add_argument(
+        "--compile-modes",
+        nargs="+",
+        default=["default"],
+        choices=["default", "max-autotune-no-cudagraphs"],
+    )
     parser.add_argument("--engine-modes", nargs="+", default=["auto", "off"])
     parser.add_argument("--engine-pipeline", nargs="+", default=["on", "off"])
+    parser.add_argument("--engine-batches", type=int, nargs="+", default=None)
+    parser.add_argument("--workload", default="uniform", choices=["uniform", "longtail"])
+    parser.add_argument("--admission-batches", type=int, nargs="+", default=[0])
     parser.add_argument("--bandwidth-tbps", type=float, default=4.22)
     parser.add_argument("--attention", nargs="+", default=["kernel"], choices=["kernel", "torch"])
+    parser.add_argument("--sampler", nargs="+", default=["kernel"], choices=["kernel", "torch"])
+    parser.add_argument("--profile-prefill", action="store_true")
+    parser.add_argument("--skip-graph", action="store_true")
+    parser.add_argument("--skip-engine", action="store_true")
     parser.add_argument("--check-only", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -262,11 +344,24 @@ def main() -> None:
     result: dict[str, Any] = {"size": args.size, "check_rel_err": check(model, 24, seed=0)}
     print(f"check: relative error {result['check_rel_err']:.2e}", flush=True)
     if cuda and not args.check_only:
+        if args.profile_prefill:
+            result["prefill"] = [
+                profile_prefill(model, rows, args.context) for rows in args.batches
+            ]
+            print("prefill", json.dumps(result["prefill"]), flush=True)
         result["graph"] = []
-        graph_variants = [(a, c) for a in args.attention for c in args.compile]
-        for attention, compile_flag in graph_variants:
+        graph_variants = [
+            (a, s_, c, m)
+            for a in args.attention
+            for s_ in args.sampler
+            for c in args.compile
+            for m in (args.compile_modes if c == "on" else ["default"])
+        ]
+        for attention, sampler, compile_flag, mode in [] if args.skip_graph else graph_variants:
             decode_attention.USE_KERNEL = attention == "kernel"
+            decode_sampler.USE_KERNEL = sampler == "kernel"
             for rows in args.batches:
+                started = time.perf_counter()
                 try:
                     row = bench_graph(
                         model,
@@ -275,34 +370,54 @@ def main() -> None:
                         args.steps,
                         compile_flag == "on",
                         args.bandwidth_tbps,
+                        None if mode == "default" else mode,
                     )
                 except Exception as exc:  # report and keep measuring the other variants
                     row = {"rows": rows, "compile": compile_flag, "error": repr(exc)[:2000]}
-                row["attention"] = attention
+                row.update(attention=attention, sampler=sampler, compile_mode=mode)
+                row["wall_s"] = time.perf_counter() - started
                 result["graph"].append(row)
                 summary = {k: v for k, v in row.items() if k != "top"}
                 print("graph", json.dumps(summary), flush=True)
+                print("  top", json.dumps(row.get("top", [])[:25]), flush=True)
+                torch._dynamo.reset()  # each variant compiles afresh (and frees its graphs)
         del model
         torch.cuda.empty_cache()
         result["engine"] = []
         engine_variants = [
-            (a, m, p == "on")
+            (a, s_, m, p == "on", b)
             for a in args.attention
+            for s_ in args.sampler
             for m in args.engine_modes
             for p in args.engine_pipeline
+            for b in args.admission_batches
         ]
-        for attention, mode, pipeline in engine_variants:
-            if mode == "off" and (not pipeline or attention != args.attention[0]):
-                continue  # the dynamic path has no pipeline and no static attention
+        for attention, sampler, mode, pipeline, admission in (
+            [] if args.skip_engine else engine_variants
+        ):
+            if mode == "off" and (
+                not pipeline or attention != args.attention[0] or sampler != args.sampler[0]
+            ):
+                continue  # the dynamic path has no pipeline and no static attention/sampler
             decode_attention.USE_KERNEL = attention == "kernel"
-            for rows in args.batches:
+            decode_sampler.USE_KERNEL = sampler == "kernel"
+            for rows in args.engine_batches or args.batches:
                 try:
                     row = asyncio.run(
-                        bench_engine(folder, rows, args.context, args.steps, mode, pipeline)
+                        bench_engine(
+                            folder,
+                            rows,
+                            args.context,
+                            args.steps,
+                            mode,
+                            pipeline,
+                            admission or None,
+                            args.workload,
+                        )
                     )
                 except Exception as exc:
                     row = {"rows": rows, "cuda_graphs": mode, "error": repr(exc)[:2000]}
-                row["attention"] = attention
+                row.update(attention=attention, sampler=sampler)
                 result["engine"].append(row)
                 print("engine", json.dumps(row), flush=True)
     write_result(args.out, "decode_graph", result)

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from tandemrl.generation import decode_sampler
 from tandemrl.generation.decode_attention import decode_attention
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
@@ -178,6 +179,9 @@ class StaticDecoder:
     ``use_graphs``: capture each ``(rows, length, top_p)`` step as a CUDA graph (CUDA only).
     ``compile_step``: fuse the elementwise work around the matrix products with
     ``torch.compile`` (CUDA only; compiled once per shape family, before any capture).
+    ``compile_mode``: ``torch.compile``'s mode for those functions (None: its default;
+    ``"max-autotune-no-cudagraphs"`` also times Triton templates against cuBLAS for each
+    matrix product, at a much longer compilation per row bucket).
     """
 
     def __init__(
@@ -188,6 +192,7 @@ class StaticDecoder:
         max_len: int,
         use_graphs: bool,
         compile_step: bool,
+        compile_mode: str | None = None,
     ) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
@@ -244,12 +249,21 @@ class StaticDecoder:
         self._attention_out_mlp: Callable[..., Any] = self._attention_out_mlp_eager
         self._head: Callable[..., Any] = self._head_eager
         self._vocab_blocks: Callable[..., Any] = self._vocab_blocks_eager
+        self._write_back: Callable[..., Any] = self._write_back_eager
+        self._prefill_in: Callable[..., Any] = self._prefill_in_eager
+        self._prefill_out_mlp: Callable[..., Any] = self._prefill_out_mlp_eager
         if compile_step:
-            self._attention_in = torch.compile(self._attention_in_eager, fullgraph=True)
-            self._attention_out_mlp = torch.compile(self._attention_out_mlp_eager, fullgraph=True)
-            self._head = torch.compile(self._head_eager, fullgraph=True)
+            # Prefill: token counts vary with every admission, so one graph of dynamic shape.
+            prefill = {"fullgraph": True, "dynamic": True}
+            self._prefill_in = torch.compile(self._prefill_in_eager, **prefill)
+            self._prefill_out_mlp = torch.compile(self._prefill_out_mlp_eager, **prefill)
+            compiled = {"fullgraph": True, "mode": compile_mode}
+            self._attention_in = torch.compile(self._attention_in_eager, **compiled)
+            self._attention_out_mlp = torch.compile(self._attention_out_mlp_eager, **compiled)
+            self._head = torch.compile(self._head_eager, **compiled)
             # Only the full-vocabulary pass: inductor cannot fuse a long scan with reductions.
             self._vocab_blocks = torch.compile(self._vocab_blocks_eager, fullgraph=True)
+            self._write_back = torch.compile(self._write_back_eager, fullgraph=True)
         self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
         self._pool: Any = torch.cuda.graph_pool_handle() if use_graphs else None
 
@@ -304,11 +318,54 @@ class StaticDecoder:
         input_ids = torch.zeros(len(work), width, dtype=torch.long)
         for row, (_, prefix) in enumerate(work):
             input_ids[row, : len(prefix)] = torch.tensor(prefix, dtype=torch.long)
-        output = self.model(input_ids=input_ids.to(self.device), use_cache=True, logits_to_keep=1)
-        index = torch.tensor([slot for slot, _ in work], dtype=torch.long, device=self.device)
-        for layer, cached in enumerate(output.past_key_values.layers):
-            self.keys[layer, index, :, :width] = cached.keys.to(self.dtype)
-            self.values[layer, index, :, :width] = cached.values.to(self.dtype)
+        index = torch.tensor([slot for slot, _ in work], dtype=torch.long)
+        self._prefill_rows(input_ids.to(self.device), index.to(self.device))
+
+    def _prefill_rows(self, input_ids: torch.Tensor, index: torch.Tensor) -> None:
+        """Keys/values of ``input_ids`` [n, width] (positions 0..width-1) into slots ``index``.
+
+        The decode step's own layer code over all n x width tokens at once (the fused QKV
+        and gate/up projections, the same rotary embedding and cache write), with causal
+        attention per row (``scaled_dot_product_attention``); the last layer stops after its
+        cache write, and no logits are computed.
+        """
+        rows, width = input_ids.shape
+        positions = torch.arange(width, device=self.device).repeat(rows)
+        hidden = F.embedding(input_ids.reshape(-1), self.embedding)
+        angles = positions[:, None].float() * self.inv_freq[None, :]
+        angles = torch.cat([angles, angles], dim=-1)
+        cos = (angles.cos() * self.rope_scaling).to(self.dtype)[:, None, :]
+        sin = (angles.sin() * self.rope_scaling).to(self.dtype)[:, None, :]
+        delta = torch.zeros_like(hidden)
+        # Cache rows of the new keys/values, in the order [2, rows, width, kv_heads].
+        offsets = self.kv_row_offsets[:, index][:, :, None, :]
+        write_rows = (offsets + torch.arange(width, device=self.device)[:, None]).reshape(-1)
+        last = len(self.layers) - 1
+        for layer, weights in enumerate(self.layers):
+            hidden, q = self._prefill_in(
+                hidden,
+                delta,
+                weights.input_norm,
+                weights.qkv_weight,
+                weights.qkv_bias,
+                cos,
+                sin,
+                self.cache[layer].view(-1, self.head_dim),
+                write_rows,
+            )
+            if layer == last:
+                break
+            hidden, delta = self._prefill_out_mlp(
+                hidden,
+                q,
+                self.keys[layer][index, :, :width],
+                self.values[layer][index, :, :width],
+                weights.o_weight,
+                weights.o_bias,
+                weights.post_norm,
+                weights.gate_up_weight,
+                weights.down_weight,
+            )
 
     @torch.inference_mode()
     def set_rows(
@@ -414,7 +471,6 @@ class StaticDecoder:
 
     def _decode(self, rows: int, length: int, top_p: bool) -> None:
         logits = self.forward(rows, length)
-        positions = self.positions[:rows]
         token, logprob = self._sample_tokens(
             logits,
             self.temperatures[:rows],
@@ -422,11 +478,24 @@ class StaticDecoder:
             self.uniforms[:rows],
             self.top_p[:rows] if top_p else None,
         )
-        self.out[0, :rows] = token.to(torch.float64)
-        self.out[1, :rows] = logprob.to(torch.float64)
-        self.tokens[:rows] = token
+        self._write_back(token, logprob, self.out, self.tokens, self.positions, self.max_len)
+
+    @staticmethod
+    def _write_back_eager(
+        token: torch.Tensor,
+        logprob: torch.Tensor,
+        out: torch.Tensor,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        max_len: int,
+    ) -> None:
+        """The step's results into the slots' state (one kernel when compiled)."""
+        rows = token.shape[0]
+        out[0, :rows] = token.to(torch.float64)
+        out[1, :rows] = logprob.to(torch.float64)
         # Free slots keep counting too; the clamp keeps their (ignored) writes inside the cache.
-        self.positions[:rows] = (positions + 1).clamp(max=self.max_len - 1)
+        positions[:rows] = (positions[:rows] + 1).clamp(max=max_len - 1)
+        tokens[:rows] = token
 
     def forward(self, rows: int, length: int) -> torch.Tensor:
         """Logits [rows, vocab] of slots [0, rows) fed their token at their position.
@@ -445,10 +514,17 @@ class StaticDecoder:
         # max_len, head_dim], in the order of new_kv below ([2, rows, kv_heads]).
         write_rows = (self.kv_row_offsets[:, :rows] + positions[None, :, None]).reshape(-1)
         for index, weights in enumerate(self.layers):
-            hidden, q, new_kv = self._attention_in(
-                hidden, delta, weights.input_norm, weights.qkv_weight, weights.qkv_bias, cos, sin
+            hidden, q = self._attention_in(
+                hidden,
+                delta,
+                weights.input_norm,
+                weights.qkv_weight,
+                weights.qkv_bias,
+                cos,
+                sin,
+                self.cache[index].view(-1, self.head_dim),
+                write_rows,
             )
-            self.cache[index].view(-1, self.head_dim).index_copy_(0, write_rows, new_kv)
             hidden, delta = self._attention_out_mlp(
                 hidden,
                 q,
@@ -484,8 +560,12 @@ class StaticDecoder:
         qkv_bias: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Residual add, norm, QKV, rotary; new keys/values as [2 * rows * kv_heads, dim]."""
+        cache_rows: torch.Tensor,
+        write_rows: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual add, norm, QKV, rotary; the new keys/values ([2 * rows * kv_heads, dim])
+        go into ``cache_rows`` (one layer's cache, flattened) at ``write_rows``, in the same
+        kernel as the rotary embedding when compiled."""
         rows = hidden.shape[0]
         hidden = hidden + delta
         qkv = F.linear(self._rms_norm(hidden, norm), qkv_weight, qkv_bias)
@@ -494,7 +574,8 @@ class StaticDecoder:
         k = qkv[:, q_size : q_size + kv_size].reshape(rows, self.kv_heads, self.head_dim)
         v = qkv[:, q_size + kv_size :].reshape(rows, self.kv_heads, self.head_dim)
         new_kv = torch.stack([self._rope(k, cos, sin), v]).reshape(-1, self.head_dim)
-        return hidden, self._rope(q, cos, sin), new_kv
+        cache_rows.index_copy_(0, write_rows, new_kv)
+        return hidden, self._rope(q, cos, sin)
 
     def _attention_out_mlp_eager(
         self,
@@ -514,9 +595,52 @@ class StaticDecoder:
         # One Triton kernel on CUDA, two batched products around a softmax elsewhere.
         attended = decode_attention(q, keys, values, positions, length, self.scale)
         attended = attended.reshape(rows, self.heads * self.head_dim)
+        return self._out_mlp(
+            hidden, attended, o_weight, o_bias, post_norm, gate_up_weight, down_weight
+        )
+
+    def _out_mlp(
+        self,
+        hidden: torch.Tensor,
+        attended: torch.Tensor,
+        o_weight: torch.Tensor,
+        o_bias: torch.Tensor | None,
+        post_norm: torch.Tensor,
+        gate_up_weight: torch.Tensor,
+        down_weight: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Output projection and residual, norm, gate/up, SiLU, down (the MLP's delta)."""
         hidden = hidden + F.linear(attended, o_weight, o_bias)
         gate, up = F.linear(self._rms_norm(hidden, post_norm), gate_up_weight).chunk(2, dim=-1)
         return hidden, F.linear(F.silu(gate) * up, down_weight)
+
+    def _prefill_in_eager(self, *args: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_attention_in`` over a prefill's tokens (its own compiled, dynamic-shape copy)."""
+        return self._attention_in_eager(*args)  # type: ignore[arg-type]
+
+    def _prefill_out_mlp_eager(
+        self,
+        hidden: torch.Tensor,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        o_weight: torch.Tensor,
+        o_bias: torch.Tensor | None,
+        post_norm: torch.Tensor,
+        gate_up_weight: torch.Tensor,
+        down_weight: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Causal attention of each row's tokens ([rows, kv_heads, width, dim] keys/values),
+        then ``_out_mlp``."""
+        rows, width = keys.shape[0], keys.shape[2]
+        q = q.reshape(rows, width, self.heads, self.head_dim).transpose(1, 2)
+        attended = F.scaled_dot_product_attention(
+            q, keys, values, is_causal=True, scale=self.scale, enable_gqa=self.group > 1
+        )
+        attended = attended.transpose(1, 2).reshape(rows * width, self.heads * self.head_dim)
+        return self._out_mlp(
+            hidden, attended, o_weight, o_bias, post_norm, gate_up_weight, down_weight
+        )
 
     def _head_eager(
         self, hidden: torch.Tensor, delta: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor
@@ -547,10 +671,13 @@ class StaticDecoder:
         Without top-p, the CDF is found in two levels, so no full-vocabulary cumulative sum
         is ever written: block masses (one fused pass), the block holding ``u x total`` mass,
         then the token inside that block. The result is the plain inverse CDF up to the
-        summation order of the float32 masses.
+        summation order of the float32 masses. On CUDA the same draw is one Triton kernel
+        (``decode_sampler.py``: two walks over each row, no [rows, vocab] float32 tensor).
         """
         if top_p is not None:
             return _sample_sorted(logits, temperatures, greedy, uniforms, top_p)
+        if decode_sampler.kernel_available(logits):  # the same draw as one Triton kernel
+            return decode_sampler.sample_rows(logits, temperatures, greedy, uniforms)
         log_norm, masses, argmax = self._vocab_blocks(logits, temperatures)
         vocab = logits.shape[1]
         block_cdf = masses.cumsum(dim=-1)

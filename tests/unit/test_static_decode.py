@@ -215,6 +215,38 @@ def test_graph_replay_matches_eager_step(preset_path: Path, compile_step: bool) 
 
 
 @cuda_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sampler_kernel_is_the_inverse_cdf(dtype: torch.dtype) -> None:
+    from tandemrl.generation.decode_sampler import sample_rows
+
+    generator = torch.Generator().manual_seed(5)
+    rows, vocab = 96, 151_936 - 7  # a ragged last chunk
+    logits = (torch.randn(rows, vocab, generator=generator) * 4).to(dtype)
+    logits[5, 17] = logits[5, 90_000] = 60.0  # a tie: the argmax is the first column
+    temperatures = torch.rand(rows, generator=generator) + 0.5
+    greedy = torch.arange(rows) % 6 == 5
+    temperatures[greedy] = 1.0
+    uniforms = torch.rand(rows, generator=generator)
+    uniforms[0], uniforms[1] = 0.0, 1.0 - 1e-7  # both ends of the CDF
+    tokens, logprobs = sample_rows(
+        logits.cuda(), temperatures.cuda(), greedy.cuda(), uniforms.cuda()
+    )
+    tokens, logprobs = tokens.cpu(), logprobs.cpu()
+    tempered = torch.log_softmax(logits.double() / temperatures[:, None].double(), -1)
+    assert torch.equal(tokens[greedy], logits.float().argmax(-1)[greedy])
+    assert int(tokens[5]) == 17
+    # Sampled rows: u lies in the token's CDF step (up to float32 summation order).
+    cdf = tempered.exp().cumsum(-1)
+    picked = tokens[~greedy]
+    upper = cdf[~greedy].gather(1, picked[:, None])[:, 0]
+    lower = upper - tempered[~greedy].gather(1, picked[:, None])[:, 0].exp()
+    target = uniforms[~greedy].double()
+    assert bool(((lower <= target + 1e-5) & (target <= upper + 1e-5)).all())
+    expected = tempered.gather(1, tokens[:, None])[:, 0]
+    assert torch.allclose(logprobs.double(), expected, atol=1e-4)
+
+
+@cuda_only
 def test_engine_static_path_matches_plain_path_on_cuda(preset_path: Path) -> None:
     prompts = [[5, 6, 7, 14], [9, 14], [4], [10, 11, 12, 13, 5, 6, 14]]
 
