@@ -268,13 +268,16 @@ async def bench_engine(
     return out
 
 
-def profile_prefill(model: Any, rows: int, prompt_len: int) -> dict[str, Any]:
-    """The admission prefill of ``rows`` random prompts into a static decoder: wall time
-    (median of 3 after a warm-up) and the largest kernels of one traced run."""
+def profile_prefill(
+    model: Any, rows: int, prompt_len: int, compile_step: bool = True
+) -> dict[str, Any]:
+    """The admission prefill of ``rows`` random prompts into a static decoder (compiled as the
+    engine runs it): wall time (median of 3 after a warm-up) and the largest kernels of one
+    traced run."""
     from torch.profiler import ProfilerActivity, profile
 
     decoder = StaticDecoder(
-        model, slots=rows, max_len=prompt_len + 8, use_graphs=False, compile_step=False
+        model, slots=rows, max_len=prompt_len + 8, use_graphs=False, compile_step=compile_step
     )
     generator = torch.Generator().manual_seed(1)
     prompts = torch.randint(3, model.config.vocab_size, (rows, prompt_len), generator=generator)
@@ -330,6 +333,12 @@ def main() -> None:
     parser.add_argument("--bandwidth-tbps", type=float, default=4.22)
     parser.add_argument("--attention", nargs="+", default=["kernel"], choices=["kernel", "torch"])
     parser.add_argument("--sampler", nargs="+", default=["kernel"], choices=["kernel", "torch"])
+    parser.add_argument(
+        "--attention-configs",
+        nargs="+",
+        default=None,
+        help="decode_attention launch shapes to time in the graph, as BLOCK_N:WARPS:STAGES",
+    )
     parser.add_argument("--profile-prefill", action="store_true")
     parser.add_argument("--skip-graph", action="store_true")
     parser.add_argument("--skip-engine", action="store_true")
@@ -350,16 +359,24 @@ def main() -> None:
             ]
             print("prefill", json.dumps(result["prefill"]), flush=True)
         result["graph"] = []
+        launch = (decode_attention.BLOCK_N, decode_attention.NUM_WARPS, decode_attention.NUM_STAGES)
+        configs = [tuple(int(x) for x in c.split(":")) for c in args.attention_configs or []]
         graph_variants = [
-            (a, s_, c, m)
+            (a, s_, c, m, shape)
             for a in args.attention
             for s_ in args.sampler
             for c in args.compile
             for m in (args.compile_modes if c == "on" else ["default"])
+            for shape in (configs if a == "kernel" and configs else [launch])
         ]
-        for attention, sampler, compile_flag, mode in [] if args.skip_graph else graph_variants:
+        for attention, sampler, compile_flag, mode, shape in (
+            [] if args.skip_graph else graph_variants
+        ):
             decode_attention.USE_KERNEL = attention == "kernel"
             decode_sampler.USE_KERNEL = sampler == "kernel"
+            (decode_attention.BLOCK_N, decode_attention.NUM_WARPS, decode_attention.NUM_STAGES) = (
+                shape
+            )
             for rows in args.batches:
                 started = time.perf_counter()
                 try:
@@ -374,13 +391,16 @@ def main() -> None:
                     )
                 except Exception as exc:  # report and keep measuring the other variants
                     row = {"rows": rows, "compile": compile_flag, "error": repr(exc)[:2000]}
-                row.update(attention=attention, sampler=sampler, compile_mode=mode)
+                row.update(
+                    attention=attention, sampler=sampler, compile_mode=mode, attention_launch=shape
+                )
                 row["wall_s"] = time.perf_counter() - started
                 result["graph"].append(row)
                 summary = {k: v for k, v in row.items() if k != "top"}
                 print("graph", json.dumps(summary), flush=True)
                 print("  top", json.dumps(row.get("top", [])[:25]), flush=True)
                 torch._dynamo.reset()  # each variant compiles afresh (and frees its graphs)
+        (decode_attention.BLOCK_N, decode_attention.NUM_WARPS, decode_attention.NUM_STAGES) = launch
         del model
         torch.cuda.empty_cache()
         result["engine"] = []

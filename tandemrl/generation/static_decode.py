@@ -207,6 +207,7 @@ class StaticDecoder:
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.group = self.heads // self.kv_heads
+        self.grouped_query = self.group > 1
         self.eps = config.rms_norm_eps
         self.scale = self.head_dim**-0.5
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
@@ -253,8 +254,9 @@ class StaticDecoder:
         self._prefill_in: Callable[..., Any] = self._prefill_in_eager
         self._prefill_out_mlp: Callable[..., Any] = self._prefill_out_mlp_eager
         if compile_step:
-            # Prefill: token counts vary with every admission, so one graph of dynamic shape.
-            prefill = {"fullgraph": True, "dynamic": True}
+            # Prefill: token counts vary with every admission; the second shape seen compiles
+            # one graph with dynamic sizes (torch.compile's automatic dynamic shapes).
+            prefill = {"fullgraph": True}
             self._prefill_in = torch.compile(self._prefill_in_eager, **prefill)
             self._prefill_out_mlp = torch.compile(self._prefill_out_mlp_eager, **prefill)
             compiled = {"fullgraph": True, "mode": compile_mode}
@@ -609,8 +611,14 @@ class StaticDecoder:
         gate_up_weight: torch.Tensor,
         down_weight: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Output projection and residual, norm, gate/up, SiLU, down (the MLP's delta)."""
-        hidden = hidden + F.linear(attended, o_weight, o_bias)
+        """Output projection and residual, norm, gate/up, SiLU, down (the MLP's delta).
+
+        The residual add is written in float32 (the same single rounding to the model's dtype
+        as a bf16 add): as a plain add, inductor folds it into the product (``addmm``), which
+        first copies the residual into the output, one more kernel a layer.
+        """
+        projected = F.linear(attended, o_weight, o_bias)
+        hidden = (hidden.float() + projected.float()).to(hidden.dtype)
         gate, up = F.linear(self._rms_norm(hidden, post_norm), gate_up_weight).chunk(2, dim=-1)
         return hidden, F.linear(F.silu(gate) * up, down_weight)
 
@@ -635,7 +643,7 @@ class StaticDecoder:
         rows, width = keys.shape[0], keys.shape[2]
         q = q.reshape(rows, width, self.heads, self.head_dim).transpose(1, 2)
         attended = F.scaled_dot_product_attention(
-            q, keys, values, is_causal=True, scale=self.scale, enable_gqa=self.group > 1
+            q, keys, values, is_causal=True, scale=self.scale, enable_gqa=self.grouped_query
         )
         attended = attended.transpose(1, 2).reshape(rows * width, self.heads * self.head_dim)
         return self._out_mlp(
