@@ -165,7 +165,10 @@ class SingleController:
         self._rollout_done = False
         self._stopping = False
         self._acc = StepAccumulator()
-        self._group_crash: asyncio.Future[None] | None = None
+        self._fatal: asyncio.Future[None] | None = None
+        # The last step's tail (weight sync, metrics row, checkpoint, hooks) when it runs while
+        # the next step trains (see _train_one_step).
+        self._step_tail: asyncio.Task[None] | None = None
         self.waiting_on: dict[str, str] = {"rollout": "not started", "train": "not started"}
         self.last_progress_at = time.monotonic()
         self.history: list[dict[str, float]] = []
@@ -185,7 +188,7 @@ class SingleController:
     async def run(self) -> list[dict[str, float]]:
         """Run both pumps until max_num_steps or the data runs out; return per-step metrics."""
         self._acc = StepAccumulator()
-        self._group_crash = asyncio.get_running_loop().create_future()
+        self._fatal = asyncio.get_running_loop().create_future()
         if self.commit_log is not None and not self.commit_log.opened:
             self.commit_log.open(parent=None)  # not resumed through checkpoint.restore.resume
         rollout = asyncio.create_task(self._rollout_pump(), name="rollout_pump")
@@ -213,7 +216,7 @@ class SingleController:
         thresholds = gc.get_threshold()
         gc.set_threshold(GC_YOUNG_THRESHOLD, *thresholds[1:])
         try:
-            pending: set[asyncio.Future[Any]] = {*background, train, self._group_crash}
+            pending: set[asyncio.Future[Any]] = {*background, train, self._fatal}
             while train in pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
@@ -231,6 +234,8 @@ class SingleController:
         self.sampler.close()
         self._notify()
         inflight = list(self._inflight.values())
+        if self._step_tail is not None:
+            tasks = (*tasks, self._step_tail)
         for task in [*tasks, *inflight]:
             if not task.done():
                 task.cancel()
@@ -357,8 +362,8 @@ class SingleController:
         except Exception as exc:
             # A budget exceeded, every worker dead, a step shrunk too far: the run must end
             # with this exception instead of the group task dying unobserved.
-            if self._group_crash is not None and not self._group_crash.done():
-                self._group_crash.set_exception(exc)
+            if self._fatal is not None and not self._fatal.done():
+                self._fatal.set_exception(exc)
         finally:
             self._inflight.pop(group.group_id, None)
             self.inflight_started_at.pop(group.group_id, None)
@@ -426,6 +431,7 @@ class SingleController:
             if not trained:
                 log.info("no complete step can be assembled any more; ending the run")
                 break
+        await self._await_step_tail()
         self.waiting_on["train"] = "finished"
 
     async def _train_one_step(self) -> bool:
@@ -463,11 +469,57 @@ class SingleController:
             await self._train_chunk(
                 slots, version, step_num_sequences=groups_wanted * self.settings.group_size
             )
+        # The previous step's tail ends before this step's optimizer step changes the weights
+        # it exports and checkpoints.
+        await self._await_step_tail()
         train_metrics = await self.step_runner.finish()
         await self._close_step(claimed)
-        sync_seconds = await self._sync_weights()
-        await self._finish_step_bookkeeping(train_metrics, sync_seconds)
+        ended = time.monotonic()
+        acc, self._acc = self._acc, StepAccumulator(started_at=ended)
+        acc.ended_at = ended
+        # Read now: the next step's begin() may reset what the runner answers.
+        tail = self._finish_step(acc, train_metrics, refit=self.step_runner.refit_after_step())
+        if self._tail_may_overlap():
+            self._step_tail = asyncio.create_task(tail, name=f"step_tail_{self.state.step}")
+            self._step_tail.add_done_callback(self._on_tail_done)
+        else:
+            self.waiting_on["train"] = "weight sync"
+            await tail
         return True
+
+    def _tail_may_overlap(self) -> bool:
+        """Whether the next step may train while this step's weights travel to generation.
+
+        Safe because only ``step_runner.finish`` changes the trainer's weights, and the next
+        step awaits the tail before it: the sync exports, and a checkpoint saves, exactly the
+        weights of the step just closed. The trainer then never waits for generation to load
+        them (on the tiny CPU job that wait was ~10% of an async step). Kept serial where
+        the sync needs the trainer itself (CUDA IPC, NCCL), in colocated mode (generation
+        wakes after the sync) and when this step writes a checkpoint.
+        """
+        if self.settings.colocated or not getattr(self.weight_sync, "overlaps_training", False):
+            return False
+        return self.checkpointer is None or not self.checkpointer.due(self.state.step, last=False)
+
+    async def _finish_step(
+        self, acc: StepAccumulator, train_metrics: dict[str, float], *, refit: bool
+    ) -> None:
+        sync_seconds = await self._sync_weights(refit)
+        await self._finish_step_bookkeeping(acc, train_metrics, sync_seconds)
+
+    def _on_tail_done(self, task: asyncio.Task[None]) -> None:
+        # A failed tail (a sync error, a hook) ends the run at once, even while the train pump
+        # waits for data that a failed sync would never let generation produce.
+        if task.cancelled() or task.exception() is None:
+            return
+        if self._fatal is not None and not self._fatal.done():
+            self._fatal.set_exception(task.exception())
+
+    async def _await_step_tail(self) -> None:
+        tail, self._step_tail = self._step_tail, None
+        if tail is not None:
+            self.waiting_on["train"] = "weight sync of the previous step"
+            await tail
 
     async def _evict(self, version: int) -> None:
         evicted = await self.sampler.evict(current_train_weight=version)
@@ -526,12 +578,11 @@ class SingleController:
             self.buffer.release_claims([slot.group_id for slot in claimed], consumed=False)
             self._notify()
 
-    async def _sync_weights(self) -> float:
+    async def _sync_weights(self, refit: bool) -> float:
         """Push the new weights to generation (permission was closed by ``_close_step``)."""
-        self.waiting_on["train"] = "weight sync"
         try:
             seconds = 0.0
-            if self.step_runner.refit_after_step():
+            if refit:
                 seconds = await self.weight_sync.sync(self.trainer_version)
             await self._abort_stale_inflight()
             if self.settings.colocated:
@@ -604,7 +655,7 @@ class SingleController:
         self._replacement_reserve = list(items)
 
     async def _finish_step_bookkeeping(
-        self, train_metrics: dict[str, float], sync_seconds: float
+        self, acc: StepAccumulator, train_metrics: dict[str, float], sync_seconds: float
     ) -> None:
         extra = {f"train/{k}": float(v) for k, v in train_metrics.items()}
         extra.update(
@@ -615,13 +666,12 @@ class SingleController:
                 "consumed_groups": float(self.state.consumed_groups),
             }
         )
-        row = self._acc.close_step(
+        row = acc.close_step(
             step=self.state.step,
             trainer_version=self.trainer_version,
             weight_sync_s=sync_seconds,
             extra=extra,
         )
-        self._acc = StepAccumulator()
         self.history.append(row)
         self.last_progress_at = time.monotonic()
         await self._maybe_checkpoint()

@@ -25,6 +25,9 @@ class TrainedGroup:
 @dataclass
 class StepAccumulator:
     started_at: float = field(default_factory=time.monotonic)
+    # When the step closed (its trainer version bumped); None: when close_step is called. The
+    # next step's interval starts here, so step times add up to the run's wall time.
+    ended_at: float | None = None
     rollout_blocked_s: float = 0.0
     train_waiting_s: float = 0.0
     evicted_groups: int = 0
@@ -41,8 +44,8 @@ class StepAccumulator:
         weight_sync_s: float,
         extra: dict[str, float],
     ) -> dict[str, float]:
-        now = time.monotonic()
-        step_time = max(now - self.started_at, 1e-9)
+        end = time.monotonic() if self.ended_at is None else self.ended_at
+        step_time = max(end - self.started_at, 1e-9)
         rewards = [r for g in self.groups for r in g.rewards]
         staleness = [g.staleness for g in self.groups]
         tokens = sum(g.completion_tokens for g in self.groups)

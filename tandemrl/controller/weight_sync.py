@@ -21,11 +21,18 @@ from tandemrl.rollout.generation_pool import GenerationPool
 
 
 class WeightSynchronizer(Protocol):
+    # True when a sync only reads the trainer's weights (one export call) and the trainer may
+    # run the next step's forward/backward passes meanwhile; the controller then does not wait
+    # for it before training on (``SingleController._tail_may_overlap``). Absent: False.
+    overlaps_training: bool
+
     async def sync(self, version: int) -> float:
         """Push the trainer's current weights to every engine as ``version``; return seconds."""
 
 
 class DirectWeightSync:
+    overlaps_training = True
+
     def __init__(self, trainer: Any, pool: GenerationPool) -> None:
         self.trainer = trainer
         self.pool = pool
@@ -38,6 +45,8 @@ class DirectWeightSync:
 
 
 class RayObjectStoreWeightSync:
+    overlaps_training = True
+
     def __init__(self, trainer_handle: Any, pool: GenerationPool) -> None:
         self.trainer_handle = trainer_handle
         self.pool = pool

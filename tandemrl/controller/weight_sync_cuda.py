@@ -551,6 +551,8 @@ class WeightReceiverHost(ABC):
 class DeviceWeightSync:
     """Engines in the trainer's process: each loads views of the trainer's buffer."""
 
+    overlaps_training = False  # the engines read the trainer's live buffer
+
     def __init__(self, sender: FlatWeightSender, engines: Sequence[WeightLoader]) -> None:
         self.sender = sender
         self.engines = list(engines)
@@ -581,6 +583,7 @@ def _first_error(outcomes: Mapping[int, Any]) -> tuple[int, BaseException] | Non
 class _RemoteWeightSync:
     """What both remote transports share: the trainer host, the pool, bounded waits."""
 
+    overlaps_training = False  # the trainer process takes part in every transfer
     transport = ""
 
     def __init__(

@@ -182,3 +182,92 @@ def test_every_row_records_the_versions_that_produced_it():
             assert ((staleness >= 0) & (staleness <= 1)).all()
     counts = Counter(trained_group_ids(controller))
     assert max(counts.values()) == 1
+
+
+class SlowLoadingEngine(FakeGenerationBackend):
+    """Weights take ``load_s`` to load; records what each update carried and when it ended."""
+
+    def __init__(self, events: list[tuple], load_s: float, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.events = events
+        self.load_s = load_s
+
+    async def update_weights(self, version, weights):
+        await asyncio.sleep(self.load_s)
+        self.events.append(("loaded", version, weights["fake_weights_version"]))
+        await super().update_weights(version, weights)
+
+
+class RecordingTrainer(FakeTrainer):
+    def __init__(self, events: list[tuple], **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.events = events
+
+    async def begin_train_step(self):
+        self.events.append(("begin", self.optimizer_steps))
+        await super().begin_train_step()
+
+    async def finish_train_step(self):
+        self.events.append(("finish", self.optimizer_steps))
+        return await super().finish_train_step()
+
+
+def test_next_step_trains_while_generation_loads_the_weights():
+    """With lookahead 1 the trainer starts step n+1 before generation holds weights n+1 (the
+    sync runs in the step's tail), yet every sync carries exactly the weights of its version,
+    each step's optimizer step waits for the previous sync, and the metrics are complete."""
+    events: list[tuple] = []
+    cfg = make_cfg(
+        "async_rl.sampler.max_lookahead_versions=1",
+        "async_rl.min_groups_for_streaming_train=4",
+        "grpo.max_num_steps=5",
+    )
+    engine = SlowLoadingEngine(events, load_s=0.05, seed=0)
+    _, history, _, _ = run_controller(cfg, trainer=RecordingTrainer(events), engines=[engine])
+    loads = [event for event in events if event[0] == "loaded"]
+    assert [(version, weights) for _, version, weights in loads] == [(v, v) for v in range(1, 6)]
+    overlapped = [
+        version
+        for version in range(1, 5)
+        if events.index(("begin", version)) < events.index(("loaded", version, version))
+    ]
+    assert overlapped, events  # at least one step began before its weights were loaded
+    for version in range(1, 5):  # the optimizer step of n+1 only after sync n landed
+        assert events.index(("loaded", version, version)) < events.index(("finish", version))
+    assert [row["trainer_version"] for row in history] == [1, 2, 3, 4, 5]
+    assert all(row["weight_sync_s"] >= 0.05 for row in history)
+    assert engine.weight_updates == [1, 2, 3, 4, 5]
+
+
+def test_sync_mode_never_trains_ahead_of_the_weights():
+    """Lookahead 0: the next step's data needs the new weights, so no step begins before the
+    previous sync has landed."""
+    events: list[tuple] = []
+    cfg = make_cfg(
+        "async_rl.sampler.max_lookahead_versions=0",
+        "loss_fn.use_importance_sampling_correction=false",
+        "async_rl.max_buffered_rollouts=4",
+        "async_rl.max_inflight_prompts=4",
+        "async_rl.min_groups_for_streaming_train=4",
+        "grpo.max_num_steps=4",
+    )
+    run_controller(
+        cfg, trainer=RecordingTrainer(events), engines=[SlowLoadingEngine(events, 0.02, seed=0)]
+    )
+    for version in range(1, 4):
+        assert events.index(("loaded", version, version)) < events.index(("begin", version))
+
+
+def test_a_failed_sync_in_the_tail_ends_the_run_with_its_error():
+    class SyncBroke(RuntimeError):
+        pass
+
+    class BreakingEngine(FakeGenerationBackend):
+        async def update_weights(self, version, weights):
+            if version == 2:
+                raise SyncBroke("engine lost its weights")
+            await super().update_weights(version, weights)
+
+    cfg = make_cfg("async_rl.sampler.max_lookahead_versions=1", "grpo.max_num_steps=6")
+    with pytest.raises(SyncBroke, match="engine lost its weights"):
+        run_controller(cfg, engines=[BreakingEngine(seed=0)])
