@@ -7,7 +7,11 @@ reward reached at equal steps. Goal: async >= 1.6x sync throughput when generati
 training take about the same time, with learning curves equal within noise.
 
     python benchmarks/async_vs_sync.py [--steps 200] [--generation-batch 32] [--seed 42]
-        [--modes sync async streaming] [--no-reuse-logprobs]
+        [--modes sync async streaming] [--no-reuse-logprobs] [--repeats 1]
+
+``--repeats N`` runs the modes N times, interleaved, and reports every run and the median of
+the per-repeat ratios: this VM's speed drifts by up to 1.8x between runs minutes apart, so
+one pair of runs can say little.
 
 Every mode runs with ``loss_fn.reuse_training_logprobs=true`` (the trainer's ``prev_logprobs``
 come from the training forward, one forward pass per step fewer) unless
@@ -216,26 +220,84 @@ def main() -> None:
     )
     parser.add_argument("--seed", type=int, default=42, help="grpo.seed of every mode")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run the modes this many times, interleaved (sync, async, ..., sync, async, ...); "
+        "each repeat's ratios compare runs minutes apart, the RESULT carries their median",
+    )
     args = parser.parse_args()
-    results: dict[str, dict[str, Any]] = {}
+    runs: list[dict[str, dict[str, Any]]] = []
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
-        for mode in args.modes:
-            config, overrides = MODES[mode]
-            log_dir = Path(tmp) / mode
-            results[mode] = summarize(
-                *run_mode(
-                    config,
-                    overrides,
-                    args.steps,
-                    log_dir,
-                    args.generation_batch,
-                    args.reuse_logprobs,
-                    args.seed,
+        for repeat in range(args.repeats):
+            results: dict[str, dict[str, Any]] = {}
+            for mode in args.modes:
+                config, overrides = MODES[mode]
+                log_dir = Path(tmp) / f"{mode}_{repeat}"
+                results[mode] = summarize(
+                    *run_mode(
+                        config,
+                        overrides,
+                        args.steps,
+                        log_dir,
+                        args.generation_batch,
+                        args.reuse_logprobs,
+                        args.seed,
+                    )
                 )
-            )
+            runs.append(results)
+    for repeat, results in enumerate(runs):
+        print_table(results, f"repeat {repeat + 1} of {len(runs)}" if len(runs) > 1 else "")
+    result: dict[str, object] = {
+        "steps": args.steps,
+        "generation_batch": args.generation_batch,
+        "reuse_training_logprobs": args.reuse_logprobs,
+        "seed": args.seed,
+        "repeats": len(runs),
+        "load_avg_1m_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        "goal_async_over_sync": GOAL,
+    }
+    last = runs[-1]
+    for mode in args.modes:
+        per_run = [results[mode] for results in runs]
+        result[f"reward_{mode}"] = round(statistics.mean(r["reward_last20"] for r in per_run), 3)
+        result[f"reward_quarters_{mode}"] = [
+            round(statistics.mean(q), 3)
+            for q in zip(*(r["reward_quarters"] for r in per_run), strict=True)
+        ]
+        result[f"steps_per_s_{mode}"] = [round(r["steps_per_s"], 3) for r in per_run]
+        result[f"weight_sync_s_{mode}"] = round(
+            statistics.mean(r["weight_sync_s"] for r in per_run), 4
+        )
+        result[f"trainer_cpu_s_per_step_{mode}"] = round(
+            statistics.mean(r["trainer_cpu_s"] for r in per_run), 4
+        )
+        result[f"cpu_s_per_step_{mode}"] = {
+            role: round(seconds, 4) for role, seconds in last[mode]["cpu_per_step"].items()
+        }
+        result[f"cpu_s_per_step_total_{mode}"] = [
+            round(sum(r["cpu_per_step"].values()), 4) for r in per_run
+        ]
+    if "sync" in args.modes:
+        result["sync_train_idle"] = [round(results["sync"]["train_idle"], 3) for results in runs]
+        for mode in ("async", "streaming"):
+            if mode in args.modes:
+                ratios = [
+                    results[mode]["steps_per_s"] / results["sync"]["steps_per_s"]
+                    for results in runs
+                ]
+                result[f"{mode}_over_sync"] = round(statistics.median(ratios), 3)
+                result[f"{mode}_over_sync_runs"] = [round(ratio, 3) for ratio in ratios]
+    print("RESULT " + json.dumps(result))
+
+
+def print_table(results: dict[str, dict[str, Any]], title: str) -> None:
+    print(f"\n{title}" if title else "")
     print(
-        f"\n{'mode':10s} {'steps/s':>8s} {'tok/s':>8s} {'reward@end':>10s} {'train idle':>10s} {'roll idle':>9s} {'trainer cpu/step':>16s}"
+        f"{'mode':10s} {'steps/s':>8s} {'tok/s':>8s} {'reward@end':>10s} {'train idle':>10s} "
+        f"{'roll idle':>9s} {'trainer cpu/step':>16s}"
     )
     for mode, r in results.items():
         print(
@@ -250,31 +312,6 @@ def main() -> None:
                 f"{role} {seconds:.3f}" for role, seconds in cpu.items() if seconds >= 0.001
             )
         )
-    result: dict[str, object] = {
-        "steps": args.steps,
-        "generation_batch": args.generation_batch,
-        "reuse_training_logprobs": args.reuse_logprobs,
-        "seed": args.seed,
-        "load_avg_1m_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)],
-        "goal_async_over_sync": GOAL,
-    }
-    for mode, r in results.items():
-        result[f"reward_{mode}"] = round(r["reward_last20"], 3)
-        result[f"reward_quarters_{mode}"] = r["reward_quarters"]
-        result[f"steps_per_s_{mode}"] = round(r["steps_per_s"], 3)
-        result[f"weight_sync_s_{mode}"] = round(r["weight_sync_s"], 4)
-        result[f"trainer_cpu_s_per_step_{mode}"] = round(r["trainer_cpu_s"], 4)
-        result[f"cpu_s_per_step_{mode}"] = {
-            role: round(seconds, 4) for role, seconds in r["cpu_per_step"].items()
-        }
-        result[f"cpu_s_per_step_total_{mode}"] = round(sum(r["cpu_per_step"].values()), 4)
-    if "sync" in results:
-        sync = results["sync"]["steps_per_s"]
-        result["sync_train_idle"] = round(results["sync"]["train_idle"], 3)
-        for mode in ("async", "streaming"):
-            if mode in results:
-                result[f"{mode}_over_sync"] = round(results[mode]["steps_per_s"] / sync, 3)
-    print("RESULT " + json.dumps(result))
 
 
 if __name__ == "__main__":
