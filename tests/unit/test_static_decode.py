@@ -167,6 +167,18 @@ def test_buckets_and_unsupported_models(preset_path: Path) -> None:
         StaticDecoder(model, slots=2, max_len=8, use_graphs=False, compile_step=False)
 
 
+def test_static_path_admits_a_quarter_of_its_slots_by_default(preset_path: Path) -> None:
+    engine = TorchGenerationEngine(
+        preset_path, device="cpu", cuda_graphs="on", max_batch_size=12, max_seq_len=16
+    )
+    assert engine.static_decode and engine.slots == 12
+    assert engine.admission_batch == 3
+    explicit = TorchGenerationEngine(
+        preset_path, device="cpu", cuda_graphs="on", max_batch_size=12, admission_batch=1
+    )
+    assert explicit.admission_batch == 1
+
+
 def test_engine_knob_refuses_unsupported_model_and_bad_values(preset_path: Path) -> None:
     with pytest.raises(ValueError, match=r"cuda_graphs='sometimes'"):
         TorchGenerationEngine(preset_path, device="cpu", cuda_graphs="sometimes")
