@@ -12,7 +12,8 @@ write K/V at the slot's position, attention over the slot's cache positions up t
 the first ``length`` (``decode_attention.py``: one Triton kernel on CUDA), output projection,
 RMSNorm, one fused gate/up projection, SiLU, down projection), then sample one token per slot from
 the tempered distribution (inverse CDF of a host-drawn uniform, optional top-p; greedy slots take
-the argmax; on CUDA without top-p two Triton kernels, ``decode_sampler.py``) and write the token, its logprob, the next position and the next input token in place.
+the argmax; on CUDA without top-p two Triton kernels, ``decode_sampler.py``) and write the
+token, its logprob, the next position and the next input token in place.
 Free slots inside the bucket are computed and ignored. Shapes are static per ``(rows, length,
 top_p)``, so on CUDA each such key is captured once as a graph and replayed; on CPU the same code
 runs eagerly (tests).
