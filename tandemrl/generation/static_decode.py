@@ -46,6 +46,9 @@ SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 # Smallest graph buckets: fewer, larger graphs; a step never attends fewer cache positions.
 MIN_ROWS_BUCKET = 8
 MIN_LENGTH_BUCKET = 64
+# Dynamo's per-code-object recompile limit while a compiled static decoder exists (see
+# StaticDecoder.__init__); torch's default is 8.
+RECOMPILE_LIMIT = 128
 # Vocabulary block of the two-level inverse-CDF sampler (see StaticDecoder._sample_tokens).
 SAMPLE_BLOCK = 128
 
@@ -257,6 +260,14 @@ class StaticDecoder:
         self._prefill_in: Callable[..., Any] = self._prefill_in_eager
         self._prefill_out_mlp: Callable[..., Any] = self._prefill_out_mlp_eager
         if compile_step:
+            # Each compiled function below is one code object for every decoder in the process:
+            # its cache holds one entry per (rows, length) bucket family and per decoder (guards
+            # see ``self``), so a process that builds several engines (benchmarks, colocated
+            # rebuilds) passes dynamo's default of 8 and the next capture would fail with
+            # FailOnRecompileLimitHit (fullgraph). Raise the per-code-object limit.
+            from torch._dynamo import config as dynamo_config
+
+            dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
             # Prefill: token counts vary with every admission; the second shape seen compiles
             # one graph with dynamic sizes (torch.compile's automatic dynamic shapes).
             prefill = {"fullgraph": True}
