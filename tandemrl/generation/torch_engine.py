@@ -44,8 +44,8 @@ Logprob convention (the trainer must reproduce it):
 
 Two decode paths, one contract:
 
-- *static* (``cuda_graphs="auto"`` on CUDA for Qwen2/Llama-family models, or ``"on"``): the
-  running batch lives in a fixed table of row slots over a static KV cache
+- *static* (``cuda_graphs="auto"`` for Qwen2/Llama-family models on CUDA, and on CPU when
+  the preallocated cache fits in ``CPU_STATIC_CACHE_BYTES``; or ``"on"``): the running batch lives in a fixed table of row slots over a static KV cache
   (``static_decode.StaticDecoder``). Admission prefills the new prompts through the
   decoder's own layer code, which writes their keys/values straight into free slots (the lowest free first, so busy
   slots stay packed); retirement frees the slot. The decode step is captured as a CUDA graph
@@ -54,9 +54,10 @@ Two decode paths, one contract:
   ``kv_cache_memory_fraction`` of the free device memory holds, whichever is smaller. Weight
   updates copy into the model's parameters, which the graphs read through views. Recompute-KV
   re-prefills the running rows into their slots; ``sleep`` drops the cache and the graphs, and
-  the first step after ``wake`` rebuilds both. On CPU ``"on"`` runs the same step eagerly.
-- *dynamic* (``"off"``, CPU by default, other architectures): the left-padded batch over a
-  transformers ``DynamicCache`` described above.
+  the first step after ``wake`` rebuilds both. On CPU the same step runs eagerly, one step at a
+  time (no step in flight: nothing runs asynchronously there).
+- *dynamic* (``"off"``, other architectures, CPU models whose static cache would be large):
+  the left-padded batch over a transformers ``DynamicCache`` described above.
 
 Determinism: a request with ``seed`` draws its uniforms from its own ``random.Random(seed)``,
 so its samples do not depend on which other requests share the batch (up to floating-point
@@ -99,6 +100,8 @@ KeyValues = list[tuple[torch.Tensor, torch.Tensor]]
 CUDA_GRAPH_MODES = ("auto", "on", "off")
 # Static cache length when neither max_seq_len nor a smaller max_position_embeddings is given.
 DEFAULT_STATIC_MAX_SEQ_LEN = 4096
+# cuda_graphs="auto" on CPU takes the static path when its preallocated cache fits in this.
+CPU_STATIC_CACHE_BYTES = 256 * 2**20
 
 
 @dataclass
@@ -170,7 +173,7 @@ class TorchGenerationEngine(GenerationBackend):
         compile_step: bool = True,
         max_seq_len: int | None = None,
         kv_cache_memory_fraction: float = 0.5,
-        pipeline_steps: bool = True,
+        pipeline_steps: bool | None = None,
         admission_batch: int | None = None,
     ) -> None:
         if max_batch_size < 1:
@@ -202,9 +205,10 @@ class TorchGenerationEngine(GenerationBackend):
         )
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
         self.max_positions: int | None = getattr(config, "max_position_embeddings", None)
-        self.static_decode = self._choose_static(cuda_graphs)
+        static_len = max_seq_len or min(self.max_positions or DEFAULT_STATIC_MAX_SEQ_LEN, 4096)
+        self.static_decode = self._choose_static(cuda_graphs, static_len)
         if self.static_decode and max_seq_len is None:
-            max_seq_len = min(self.max_positions or DEFAULT_STATIC_MAX_SEQ_LEN, 4096)
+            max_seq_len = static_len
         self.max_seq_len = max_seq_len
         # Longest sequence (prompt + completion) a request may reach; None: unbounded.
         limits = [limit for limit in (self.max_positions, max_seq_len) if limit is not None]
@@ -246,8 +250,13 @@ class TorchGenerationEngine(GenerationBackend):
         self._decoder: StaticDecoder | None = None
         # The launched, uncollected step: (handle, its rows, the weight version it used).
         self._in_flight: tuple[LaunchedStep, list[_Sequence], int] | None = None
-        # Launch step n+1 before recording step n (the host works while the device runs).
-        self.pipeline_steps = pipeline_steps
+        # Launch step n+1 before recording step n (the host works while the device runs). None:
+        # on CUDA only; on CPU a launch runs the step at once, so the step in flight buys
+        # nothing and costs a wasted step per finished row (15% of a CPU engine's time with
+        # the default job's 4-token completions).
+        self.pipeline_steps = (
+            self.device.type == "cuda" if pipeline_steps is None else pipeline_steps
+        )
         self._use_graphs = self.static_decode and self.device.type == "cuda"
         self._compile_step = self._use_graphs and compile_step
         self.slots = self._plan_slots(kv_cache_memory_fraction) if self.static_decode else 0
@@ -782,7 +791,7 @@ class TorchGenerationEngine(GenerationBackend):
         self._cache, self._mask = None, None
         self._needs_kv_rebuild = False
 
-    def _choose_static(self, cuda_graphs: str) -> bool:
+    def _choose_static(self, cuda_graphs: str, static_len: int) -> bool:
         if cuda_graphs == "off":
             return False
         reason = unsupported_reason(self.model)
@@ -793,7 +802,14 @@ class TorchGenerationEngine(GenerationBackend):
                     f"support this model: {reason}; use 'auto' or 'off'"
                 )
             return True
-        return self.device.type == "cuda" and reason is None
+        if reason is not None:
+            return False
+        if self.device.type == "cuda":
+            return True
+        # CPU: the hand-written step is cheaper than transformers' forward (no mask building,
+        # no cache concatenation), but its cache is preallocated for every slot at full length.
+        cache_bytes = self.max_batch_size * static_len * kv_bytes_per_token(self.model)
+        return cache_bytes <= CPU_STATIC_CACHE_BYTES
 
     def _plan_slots(self, memory_fraction: float) -> int:
         """``max_batch_size``, or fewer slots where the free device memory holds fewer."""

@@ -9,11 +9,13 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
+from tandemrl.generation import torch_engine
 from tandemrl.generation.static_decode import (
     StaticDecoder,
     _sample_sorted,
     bucket,
     fuse_projections,
+    kv_bytes_per_token,
     unsupported_reason,
 )
 from tandemrl.generation.torch_engine import TorchGenerationEngine
@@ -193,7 +195,15 @@ def test_engine_knob_refuses_unsupported_model_and_bad_values(preset_path: Path)
         await engine.shutdown()
 
     asyncio.run(body())
-    assert not TorchGenerationEngine(preset_path, device="cpu").static_decode  # auto on CPU
+    # auto on CPU: the static path while its preallocated cache is small, one step at a time.
+    small = TorchGenerationEngine(preset_path, device="cpu", max_batch_size=8)
+    assert small.static_decode and not small.pipeline_steps
+    budget = torch_engine.CPU_STATIC_CACHE_BYTES
+    per_slot = small.max_seq_len * kv_bytes_per_token(small.model)
+    too_many = budget // per_slot + 1
+    assert not TorchGenerationEngine(
+        preset_path, device="cpu", max_batch_size=too_many
+    ).static_decode
 
 
 # --------------------------------------------------------------------------- CUDA only
@@ -290,6 +300,7 @@ def test_rebuild_that_finishes_every_row_launches_nothing(preset_path: Path) -> 
         cuda_graphs="on",
         eos_token_ids=(),
         recompute_kv_cache_after_weight_updates=True,
+        pipeline_steps=True,
     )
     loop = asyncio.new_event_loop()
     try:

@@ -70,7 +70,7 @@ def new_model(model_path: Path, new_weights: dict[str, torch.Tensor]) -> PreTrai
 # latter with and without one step in flight while the host records the previous one.
 DECODE_PATHS = {
     "off": {"cuda_graphs": "off"},
-    "static": {"cuda_graphs": "on"},
+    "static": {"cuda_graphs": "on", "pipeline_steps": True},
     "static-unpipelined": {"cuda_graphs": "on", "pipeline_steps": False},
 }
 DECODE_PATH: dict[str, object] = {}
