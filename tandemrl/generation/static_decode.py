@@ -348,10 +348,7 @@ class StaticDecoder:
         rows, width = input_ids.shape
         positions = torch.arange(width, device=self.device).repeat(rows)
         hidden = F.embedding(input_ids.reshape(-1), self.embedding)
-        angles = positions[:, None].float() * self.inv_freq[None, :]
-        angles = torch.cat([angles, angles], dim=-1)
-        cos = (angles.cos() * self.rope_scaling).to(self.dtype)[:, None, :]
-        sin = (angles.sin() * self.rope_scaling).to(self.dtype)[:, None, :]
+        cos, sin = self._rotary(positions)
         delta = torch.zeros_like(hidden)
         # Cache rows of the new keys/values, in the order [2, rows, width, kv_heads].
         offsets = self.kv_row_offsets[:, index][:, :, None, :]
@@ -521,10 +518,7 @@ class StaticDecoder:
         """
         tokens, positions = self.tokens[:rows], self.positions[:rows]
         hidden = F.embedding(tokens, self.embedding)
-        angles = positions[:, None].float() * self.inv_freq[None, :]
-        angles = torch.cat([angles, angles], dim=-1)
-        cos = (angles.cos() * self.rope_scaling).to(self.dtype)[:, None, :]
-        sin = (angles.sin() * self.rope_scaling).to(self.dtype)[:, None, :]
+        cos, sin = self._rotary(positions)
         delta = self.no_delta[:rows]
         # Row of each new key/value in a layer's cache viewed as [2 * slots * kv_heads *
         # max_len, head_dim], in the order of new_kv below ([2, rows, kv_heads]).
@@ -555,6 +549,14 @@ class StaticDecoder:
                 weights.down_weight,
             )
         return self._head(hidden, delta, self.final_norm, self.lm_head)
+
+    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of the rotary embedding at ``positions`` [n], as [n, 1, head_dim]."""
+        angles = positions[:, None].float() * self.inv_freq[None, :]
+        angles = torch.cat([angles, angles], dim=-1)
+        cos = (angles.cos() * self.rope_scaling).to(self.dtype)[:, None, :]
+        sin = (angles.sin() * self.rope_scaling).to(self.dtype)[:, None, :]
+        return cos, sin
 
     def _rms_norm(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         as_float = hidden.float()
