@@ -362,8 +362,7 @@ class SingleController:
         except Exception as exc:
             # A budget exceeded, every worker dead, a step shrunk too far: the run must end
             # with this exception instead of the group task dying unobserved.
-            if self._fatal is not None and not self._fatal.done():
-                self._fatal.set_exception(exc)
+            self._end_run_with(exc)
         finally:
             self._inflight.pop(group.group_id, None)
             self.inflight_started_at.pop(group.group_id, None)
@@ -510,10 +509,13 @@ class SingleController:
     def _on_tail_done(self, task: asyncio.Task[None]) -> None:
         # A failed tail (a sync error, a hook) ends the run at once, even while the train pump
         # waits for data that a failed sync would never let generation produce.
-        if task.cancelled() or task.exception() is None:
-            return
+        if not task.cancelled() and task.exception() is not None:
+            self._end_run_with(task.exception())
+
+    def _end_run_with(self, exc: BaseException) -> None:
+        """``run`` re-raises ``exc`` (the first such failure wins) and shuts down."""
         if self._fatal is not None and not self._fatal.done():
-            self._fatal.set_exception(task.exception())
+            self._fatal.set_exception(exc)
 
     async def _await_step_tail(self) -> None:
         tail, self._step_tail = self._step_tail, None

@@ -260,7 +260,7 @@ def test_sync_mode_never_trains_ahead_of_the_weights():
 
 def test_a_failed_sync_in_the_tail_ends_the_run_with_its_error():
     class SyncBroke(RuntimeError):
-        pass
+        """The generation engine failed to load the new weights."""
 
     class BreakingEngine(FakeGenerationBackend):
         async def update_weights(self, version, weights):
