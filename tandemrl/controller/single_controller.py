@@ -24,6 +24,7 @@ import asyncio
 import gc
 import logging
 import math
+import sys
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -225,8 +226,21 @@ class SingleController:
         finally:
             gc.set_threshold(*thresholds)
             gc.unfreeze()
+            self._collect_fatal(raised=sys.exc_info()[1])
             await self.shutdown(*background, train)
         return self.history
+
+    def _collect_fatal(self, *, raised: BaseException | None) -> None:
+        """Read the fatal future's exception, so none is left unretrieved (asyncio would log it
+        from a finalizer, at any later point: once inside pytest's import of a module, where
+        CPython 3.11's AST validator then failed with a recursion-depth SystemError). A
+        failure other than the one ``run`` raises is logged."""
+        fatal = self._fatal
+        if fatal is None or not fatal.done() or fatal.cancelled():
+            return
+        exc = fatal.exception()
+        if exc is not None and exc is not raised:
+            log.error("a further failure while the run ended: %r", exc, exc_info=exc)
 
     async def shutdown(self, *tasks: asyncio.Task[Any]) -> None:
         """Stop both pumps and cancel in-flight rollouts; nothing is left waiting."""
