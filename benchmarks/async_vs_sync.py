@@ -49,6 +49,12 @@ from tandemrl.controller.run import run_training
 
 GOAL = 1.6
 WARMUP_STEPS = 5
+# Two-sided 95% quantiles of Student's t for 1..30 degrees of freedom (beyond: normal).
+T_975 = (
+    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
+)  # fmt: skip
 
 MODES = {
     "sync": ("examples/configs/grpo_tiny_cpu_sync.yaml", ()),
@@ -219,6 +225,7 @@ def summarize(rows: list[dict], cpu_per_step: dict[str, float]) -> dict[str, Any
         "steps_per_s": 1.0 / step_time,
         "tokens_per_s": statistics.mean(row["tokens_per_s"] for row in steady),
         "reward_last20": statistics.mean(row["reward_mean"] for row in tail),
+        "reward_all": statistics.mean(row["reward_mean"] for row in rows),
         "train_idle": statistics.mean(row["train_idle_frac"] for row in steady),
         "rollout_idle": statistics.mean(row["rollout_idle_frac"] for row in steady),
         "weight_sync_s": statistics.mean(row["weight_sync_s"] for row in steady),
@@ -236,6 +243,22 @@ def summarize(rows: list[dict], cpu_per_step: dict[str, float]) -> dict[str, Any
     }
 
 
+def paired_difference(differences: list[float]) -> dict[str, Any]:
+    """Mean, standard error and 95% t-interval of per-run differences (mode - sync)."""
+    mean = statistics.mean(differences)
+    summary: dict[str, Any] = {"mean": round(mean, 4), "runs": [round(d, 4) for d in differences]}
+    if len(differences) >= 2:
+        stderr = statistics.stdev(differences) / len(differences) ** 0.5
+        df = len(differences) - 1
+        half = (T_975[df - 1] if df <= len(T_975) else 1.96) * stderr
+        summary.update(
+            stderr=round(stderr, 4),
+            ci95=[round(mean - half, 4), round(mean + half, 4)],
+            equal_within_noise=mean - half <= 0.0 <= mean + half,
+        )
+    return summary
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
@@ -247,6 +270,13 @@ def main() -> None:
         help="compute prev_logprobs with a separate get_logprobs pass (the old trainer path)",
     )
     parser.add_argument("--seed", type=int, default=42, help="grpo.seed of every mode")
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=None,
+        help="run every mode once per seed (x --repeats) and compare learning across seeds",
+    )
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument(
         "--repeats",
@@ -256,11 +286,12 @@ def main() -> None:
         "each repeat's ratios compare runs minutes apart, the RESULT carries their median",
     )
     args = parser.parse_args()
+    seeds = [seed for seed in (args.seeds or [args.seed]) for _ in range(args.repeats)]
     runs: list[dict[str, dict[str, Any]]] = []
     parallel: list[float] = []
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
-        for repeat in range(args.repeats):
+        for repeat, seed in enumerate(seeds):
             parallel.append(host_parallel_speedup())
             results: dict[str, dict[str, Any]] = {}
             for mode in args.modes:
@@ -274,12 +305,14 @@ def main() -> None:
                         log_dir,
                         args.generation_batch,
                         args.reuse_logprobs,
-                        args.seed,
+                        seed,
                     )
                 )
             runs.append(results)
     for repeat, results in enumerate(runs):
-        title = f"repeat {repeat + 1} of {len(runs)}, " if len(runs) > 1 else ""
+        title = (
+            f"repeat {repeat + 1} of {len(runs)}, seed {seeds[repeat]}, " if len(runs) > 1 else ""
+        )
         print_table(
             results, f"{title}host parallel speedup {parallel[repeat]:.2f} (2.0: two cores)"
         )
@@ -287,7 +320,7 @@ def main() -> None:
         "steps": args.steps,
         "generation_batch": args.generation_batch,
         "reuse_training_logprobs": args.reuse_logprobs,
-        "seed": args.seed,
+        "seeds": seeds,
         "repeats": len(runs),
         # Before each repeat: cores two busy processes got (host_parallel_speedup).
         "host_parallel_speedup": [round(value, 2) for value in parallel],
@@ -325,6 +358,19 @@ def main() -> None:
                 ]
                 result[f"{mode}_over_sync"] = round(statistics.median(ratios), 3)
                 result[f"{mode}_over_sync_runs"] = [round(ratio, 3) for ratio in ratios]
+                # Learning at equal steps, paired by run: this mode's reward minus sync's.
+                for window in ("last20", "all"):
+                    result[f"reward_{window}_{mode}_minus_sync"] = paired_difference(
+                        [
+                            results[mode][f"reward_{window}"] - results["sync"][f"reward_{window}"]
+                            for results in runs
+                        ]
+                    )
+        if len(set(seeds)) > 1:
+            # How much sync's own reward moves from seed to seed: the scale of "noise".
+            result["reward_last20_sync_sd_across_seeds"] = round(
+                statistics.stdev(results["sync"]["reward_last20"] for results in runs), 4
+            )
     print("RESULT " + json.dumps(result))
 
 
