@@ -43,6 +43,8 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from tandemrl.buffer import ReplayBuffer, Slot
+from tandemrl.config.capacity import required_buffer_capacity
+from tandemrl.config.models import ReadyFirstSamplerConfig, WeightFifoSamplerConfig
 
 
 class SamplerClosed(RuntimeError):
@@ -303,3 +305,43 @@ class GatedSampler(PromptGroupSampler):
 
     def _apply_dispatch_state(self, state: dict[str, Any]) -> None:
         self.lookahead_versions = state["lookahead_versions"]
+
+
+class StalenessGatedSampler(GatedSampler):
+    """The gate with ``L = max_staleness_versions``: the base of weight_fifo and ready_first.
+
+    Subclasses name their config class and implement ``select``.
+    """
+
+    config_class: ClassVar[type[WeightFifoSamplerConfig] | type[ReadyFirstSamplerConfig]]
+
+    def __init__(
+        self, buffer: ReplayBuffer, *, groups_per_step: int, max_staleness_versions: int = 1
+    ) -> None:
+        self.config = self.config_class(
+            name=self.name, max_staleness_versions=max_staleness_versions
+        )
+        super().__init__(
+            buffer,
+            groups_per_step=groups_per_step,
+            lookahead_versions=max_staleness_versions,
+            widest=max_staleness_versions,
+        )
+        self.max_staleness_versions = max_staleness_versions
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg: WeightFifoSamplerConfig | ReadyFirstSamplerConfig,
+        buffer: ReplayBuffer,
+        *,
+        groups_per_step: int,
+    ) -> StalenessGatedSampler:
+        return cls(
+            buffer,
+            groups_per_step=groups_per_step,
+            max_staleness_versions=cfg.max_staleness_versions,
+        )
+
+    def required_buffer_capacity(self, groups_per_step: int) -> int:
+        return required_buffer_capacity(self.config, groups_per_step)

@@ -8,38 +8,13 @@ in flight: nothing is evicted, every finished group is trained.
 
 from __future__ import annotations
 
-from tandemrl.buffer import ReplayBuffer
-from tandemrl.config.capacity import required_buffer_capacity
 from tandemrl.config.models import ReadyFirstSamplerConfig
-from tandemrl.samplers.base import GatedSampler, Selection
+from tandemrl.samplers.base import Selection, StalenessGatedSampler
 
 
-class ReadyFirstSampler(GatedSampler):
+class ReadyFirstSampler(StalenessGatedSampler):
     name = "ready_first"
-
-    def __init__(
-        self, buffer: ReplayBuffer, *, groups_per_step: int, max_staleness_versions: int = 1
-    ) -> None:
-        self.config = ReadyFirstSamplerConfig(
-            name="ready_first", max_staleness_versions=max_staleness_versions
-        )
-        super().__init__(
-            buffer,
-            groups_per_step=groups_per_step,
-            lookahead_versions=max_staleness_versions,
-            widest=max_staleness_versions,
-        )
-        self.max_staleness_versions = max_staleness_versions
-
-    @classmethod
-    def from_config(
-        cls, cfg: ReadyFirstSamplerConfig, buffer: ReplayBuffer, *, groups_per_step: int
-    ) -> ReadyFirstSampler:
-        return cls(
-            buffer,
-            groups_per_step=groups_per_step,
-            max_staleness_versions=cfg.max_staleness_versions,
-        )
+    config_class = ReadyFirstSamplerConfig
 
     async def select(
         self, *, current_train_weight: int, min_prompt_groups: int, max_prompt_groups: int
@@ -48,6 +23,3 @@ class ReadyFirstSampler(GatedSampler):
             slot for slot in self.buffer.ready_groups() if slot.start_weight <= current_train_weight
         ]
         return self._claim(eligible, min_prompt_groups, max_prompt_groups)
-
-    def required_buffer_capacity(self, groups_per_step: int) -> int:
-        return required_buffer_capacity(self.config, groups_per_step)

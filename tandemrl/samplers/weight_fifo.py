@@ -10,38 +10,14 @@ otherwise move on to the next weight. The first ``max_prompt_groups`` taken are 
 
 from __future__ import annotations
 
-from tandemrl.buffer import ReplayBuffer, Slot
-from tandemrl.config.capacity import required_buffer_capacity
+from tandemrl.buffer import Slot
 from tandemrl.config.models import WeightFifoSamplerConfig
-from tandemrl.samplers.base import GatedSampler, Selection
+from tandemrl.samplers.base import Selection, StalenessGatedSampler
 
 
-class WeightFifoSampler(GatedSampler):
+class WeightFifoSampler(StalenessGatedSampler):
     name = "weight_fifo"
-
-    def __init__(
-        self, buffer: ReplayBuffer, *, groups_per_step: int, max_staleness_versions: int = 1
-    ) -> None:
-        self.config = WeightFifoSamplerConfig(
-            name="weight_fifo", max_staleness_versions=max_staleness_versions
-        )
-        super().__init__(
-            buffer,
-            groups_per_step=groups_per_step,
-            lookahead_versions=max_staleness_versions,
-            widest=max_staleness_versions,
-        )
-        self.max_staleness_versions = max_staleness_versions
-
-    @classmethod
-    def from_config(
-        cls, cfg: WeightFifoSamplerConfig, buffer: ReplayBuffer, *, groups_per_step: int
-    ) -> WeightFifoSampler:
-        return cls(
-            buffer,
-            groups_per_step=groups_per_step,
-            max_staleness_versions=cfg.max_staleness_versions,
-        )
+    config_class = WeightFifoSamplerConfig
 
     def eligible_groups(self, current_train_weight: int) -> list[Slot]:
         """Ready groups in FIFO-by-weight order, up to the oldest weight still in flight."""
@@ -63,6 +39,3 @@ class WeightFifoSampler(GatedSampler):
     ) -> Selection:
         eligible = self.eligible_groups(current_train_weight)
         return self._claim(eligible, min_prompt_groups, max_prompt_groups)
-
-    def required_buffer_capacity(self, groups_per_step: int) -> int:
-        return required_buffer_capacity(self.config, groups_per_step)
