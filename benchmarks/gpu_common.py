@@ -136,6 +136,7 @@ class EngineHost(WeightReceiverHost):
         lengths: LongTail | None,
         seed: int = 0,
         cuda_graphs: str = "auto",
+        max_seq_len: int | None = None,
     ) -> None:
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))
@@ -148,6 +149,7 @@ class EngineHost(WeightReceiverHost):
             seed=seed,
             eos_token_ids=[EOS_TOKEN_ID],
             cuda_graphs=cuda_graphs,
+            max_seq_len=max_seq_len,
         )
         self.lengths = lengths
         self.step_busy_s = 0.0

@@ -17,6 +17,10 @@ Three measurements on a random-init Qwen2 of a real size (``gpu_common.QWEN2_SIZ
 (``decode_attention.py``, the default) or as the torch reference (two batched products around
 a softmax); the graph and engine rows are measured for each. ``--sampler kernel torch``: the
 sampling draw as one Triton kernel (``decode_sampler.py``) or as the torch passes.
+``--step-variants``: forms of the step as ``ROPE:SPLITS[:O_SPLITS]``
+(``static_decode.ROPE_IN_ATTENTION`` 0/1: the queries rotated inside the attention kernel;
+``static_decode.DOWN_SPLITS`` / ``O_SPLITS``: the down / output projection as that many partial
+products); the graph rows are measured for each.
 ``--compile-modes``: ``torch.compile`` modes of the graph's compiled step (``default``,
 ``max-autotune-no-cudagraphs``). ``--admission-batches`` with ``--workload longtail``: the engine
 over 4 x rows requests of lognormal lengths (rows join as others finish), for each
@@ -43,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_common import EOS_TOKEN_ID, QWEN2_SIZES, build_model_folder, write_result
 
-from tandemrl.generation import decode_attention, decode_sampler
+from tandemrl.generation import decode_attention, decode_sampler, static_decode
 from tandemrl.generation.static_decode import StaticDecoder, kv_bytes_per_token
 from tandemrl.generation.torch_engine import TorchGenerationEngine
 from tandemrl.models import load_causal_lm
@@ -311,6 +315,13 @@ def profile_prefill(
     return result
 
 
+def set_step_variant(variant: str) -> None:
+    """``ROPE:SPLITS[:O_SPLITS]`` (see ``--step-variants``) into the modules' switches."""
+    rope, splits, *o_splits = variant.split(":")
+    static_decode.ROPE_IN_ATTENTION, static_decode.DOWN_SPLITS = rope == "1", int(splits)
+    static_decode.O_SPLITS = int(o_splits[0]) if o_splits else 1
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="0.5b", choices=sorted(QWEN2_SIZES))
@@ -339,6 +350,12 @@ def main() -> None:
         default=None,
         help="decode_attention launch shapes to time in the graph, as BLOCK_N:WARPS:STAGES",
     )
+    parser.add_argument(
+        "--step-variants",
+        nargs="+",
+        default=None,
+        help="ROPE:SPLITS[:O_SPLITS] forms of the decode step to time (default: the module's defaults)",
+    )
     parser.add_argument("--profile-prefill", action="store_true")
     parser.add_argument("--skip-graph", action="store_true")
     parser.add_argument("--skip-engine", action="store_true")
@@ -361,17 +378,23 @@ def main() -> None:
         result["graph"] = []
         launch = (decode_attention.BLOCK_N, decode_attention.NUM_WARPS, decode_attention.NUM_STAGES)
         configs = [tuple(int(x) for x in c.split(":")) for c in args.attention_configs or []]
+        defaults = (
+            f"{int(static_decode.ROPE_IN_ATTENTION)}:{static_decode.DOWN_SPLITS}"
+            f":{static_decode.O_SPLITS}"
+        )
         graph_variants = [
-            (a, s_, c, m, shape)
+            (a, s_, c, m, shape, v)
+            for v in args.step_variants or [defaults]
             for a in args.attention
             for s_ in args.sampler
             for c in args.compile
             for m in (args.compile_modes if c == "on" else ["default"])
             for shape in (configs if a == "kernel" and configs else [launch])
         ]
-        for attention, sampler, compile_flag, mode, shape in (
+        for attention, sampler, compile_flag, mode, shape, variant in (
             [] if args.skip_graph else graph_variants
         ):
+            set_step_variant(variant)
             decode_attention.USE_KERNEL = attention == "kernel"
             decode_sampler.USE_KERNEL = sampler == "kernel"
             (decode_attention.BLOCK_N, decode_attention.NUM_WARPS, decode_attention.NUM_STAGES) = (
@@ -392,7 +415,11 @@ def main() -> None:
                 except Exception as exc:  # report and keep measuring the other variants
                     row = {"rows": rows, "compile": compile_flag, "error": repr(exc)[:2000]}
                 row.update(
-                    attention=attention, sampler=sampler, compile_mode=mode, attention_launch=shape
+                    attention=attention,
+                    sampler=sampler,
+                    compile_mode=mode,
+                    attention_launch=shape,
+                    step_variant=variant,
                 )
                 row["wall_s"] = time.perf_counter() - started
                 result["graph"].append(row)
@@ -401,6 +428,7 @@ def main() -> None:
                 print("  top", json.dumps(row.get("top", [])[:25]), flush=True)
                 torch._dynamo.reset()  # each variant compiles afresh (and frees its graphs)
         (decode_attention.BLOCK_N, decode_attention.NUM_WARPS, decode_attention.NUM_STAGES) = launch
+        set_step_variant(defaults)
         del model
         torch.cuda.empty_cache()
         result["engine"] = []

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import inspect
+import itertools
 import json
 import os
 import statistics
@@ -247,13 +248,42 @@ def training_flops(params: int, config: Any, lengths: list[int]) -> float:
     return 6 * params * sum(lengths) + attention
 
 
+# ``--trainer tuned`` (the default for the grpo part): the trainer a user would run on a GPU,
+# the settings of the best MFU row of docs/benchmarks.md: every decoder layer compiled, the
+# micro-batch's rows packed into one sequence (``sequence_packing: auto`` packs on CUDA), all
+# of a step's rows in one micro-batch, and no separate no-grad logprob forward (the training
+# forward supplies ``prev_logprobs``; exact for GRPO's one optimizer step per batch).
+# ``--trainer plain``: the settings the earlier tables ran (64-row micro-batches, eager
+# layers, a get_logprobs forward per step).
+TRAINER_OVERRIDES: dict[str, list[str]] = {
+    "tuned": [
+        "policy.compile_layers=true",
+        "policy.sequence_packing=auto",
+        "loss_fn.reuse_training_logprobs=true",
+    ],
+    "plain": [],
+}
+
+
+def engine_max_seq_len(args: argparse.Namespace) -> int:
+    if args.engine_max_seq_len is not None:
+        return args.engine_max_seq_len
+    return PROMPT_PREFIX_TOKENS + 16 + args.length_cap
+
+
+def micro_batch_rows(args: argparse.Namespace) -> int:
+    if args.micro_batch is not None:
+        return args.micro_batch
+    return args.prompts_per_step * args.group_size if args.trainer == "tuned" else 64
+
+
 def grpo_config(folder: Path, args: argparse.Namespace, overrides: list[str] = ()) -> Any:
     n, g = args.prompts_per_step, args.group_size
     base = [
         f"policy.model_name={folder}",
         f"policy.device={'cuda' if torch.cuda.is_available() else 'cpu'}",
         f"policy.train_global_batch_size={n * g}",
-        f"policy.train_micro_batch_size={args.micro_batch}",
+        f"policy.train_micro_batch_size={micro_batch_rows(args)}",
         f"policy.max_total_sequence_length={PROMPT_PREFIX_TOKENS + 16 + args.length_cap}",
         f"policy.generation.max_new_tokens={args.length_cap}",
         "policy.optimizer.lr=1.0e-6",
@@ -532,7 +562,8 @@ async def engine_stats(engines: list[Any]) -> dict[str, float]:
 def run_grpo(
     folder: Path, mode: str, placement: str, args: argparse.Namespace, peak: float
 ) -> dict:
-    cfg = grpo_config(folder, args, mode_overrides(mode, placement, args))
+    overrides = [*TRAINER_OVERRIDES[args.trainer], *mode_overrides(mode, placement, args)]
+    cfg = grpo_config(folder, args, overrides)
     num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if placement != "two_gpus":
         num_gpus = min(num_gpus, 1)  # the one-GPU placements
@@ -549,6 +580,11 @@ def run_grpo(
     remotes: list[RemoteObject] = []
     for engine_device in plan.engine_devices:
         engine_kwargs = _engine_kwargs(folder, engine_device, args, lengths)
+        # The static cache's positions per slot (policy.generation.torch.max_seq_len): what a
+        # user sets for this workload, the trainer's max_total_sequence_length; 0: the engine's
+        # default (the model's positions, at most 4096), 20x the bytes to allocate and zero
+        # at every colocated wake.
+        engine_kwargs["max_seq_len"] = engine_max_seq_len(args) or None
         if remote_engine:
             remotes.append(RemoteObject(make_engine_host, engine_kwargs))
             engines.append(remotes[-1])
@@ -565,11 +601,20 @@ def run_grpo(
         await weight_sync.sync(0)  # engines start from the trainer's exact (bf16) weights
         marks: dict[str, Any] = {}
 
+        marks["per_step"] = []
+
         async def hook(controller: Any, row: dict[str, float]) -> None:
+            if row["step"] < args.warmup_steps:
+                return
+            now = time.perf_counter()
+            stats = await engine_stats(engines)
             if row["step"] == args.warmup_steps:
-                marks["t0"] = time.perf_counter()
+                marks["t0"] = now
                 marks["trainer0"] = (trainer.busy_s, trainer.train_tokens, trainer.logprob_tokens)
-                marks["engine0"] = await engine_stats(engines)
+                marks["engine0"] = stats
+            # Per measured step: wall, trainer and decode busy seconds since the last step end,
+            # so compilation or graph capture leaking into a measured step shows.
+            marks["per_step"].append((row["step"], now, trainer.busy_s, stats))
 
         parts = ControllerParts(
             trainer=trainer,
@@ -613,9 +658,31 @@ def run_grpo(
     step_time = statistics.mean(row["step_time_s"] for row in measured)
     sync_s = statistics.mean(row["weight_sync_s"] for row in measured)
     decode_busy = engine1["step_busy_s"] - engine0["step_busy_s"]
+    marks_per_step = raw["marks"]["per_step"]
+    per_step = [
+        {
+            "step": step,
+            "wall_s": round(t - t_prev, 4),
+            "trainer_busy_s": round(busy - busy_prev, 4),
+            "decode_busy_s": round(stats["step_busy_s"] - stats_prev["step_busy_s"], 4),
+            # Engine work that a warmed-up run should not see, and the admissions' count.
+            **{
+                key: stats[key] - stats_prev[key]
+                for key in ("graph_captures", "admissions", "decode_steps")
+                if key in stats
+            },
+        }
+        for (_, t_prev, busy_prev, stats_prev), (step, t, busy, stats) in itertools.pairwise(
+            marks_per_step
+        )
+    ]
     result = {
         "mode": mode,
         "placement": placement,
+        "trainer": args.trainer,
+        "micro_batch_rows": micro_batch_rows(args),
+        "engine_max_seq_len": engine_max_seq_len(args),
+        "warmup_steps": args.warmup_steps,
         "transport": plan.transport,
         "devices": {"trainer": plan.trainer_device, "engines": plan.engine_devices},
         "steps": len(measured),
@@ -636,6 +703,7 @@ def run_grpo(
         / max(engine1["decode_steps"] - engine0["decode_steps"], 1),
         "trainer_mfu_while_busy": flops / max(trainer_busy, 1e-9) / (peak * 1e12),
         "engine_max_memory_gib": raw["engine_memory_gib"],
+        "per_step": per_step,
     }
     log(f"grpo {mode} {placement}: {json.dumps(result)}")
     return result
@@ -664,6 +732,18 @@ def part_grpo(folder: Path, args: argparse.Namespace, peak: float) -> dict:
         if "sync" in by_mode:
             base = by_mode["sync"]["steps_per_s"]
             speedups[placement] = {m: r["steps_per_s"] / base for m, r in by_mode.items()}
+    for row in results:  # a short table last, for logs read from their end
+        if "error" in row:
+            log(f"{row['placement']:>14} {row['mode']:>22}  FAILED")
+            continue
+        ratio = speedups.get(row["placement"], {}).get(row["mode"], float("nan"))
+        first = row["per_step"][0] if row["per_step"] else {}
+        log(
+            f"{row['placement']:>14} {row['mode']:>22}  {row['steps_per_s']:.3f} steps/s "
+            f"({ratio:.2f}x sync)  busy trainer {row['trainer_busy_frac']:.2f} "
+            f"decode {row['decode_busy_frac']:.2f}  sync {1e3 * row['weight_sync_s']:.1f} ms  "
+            f"first measured step {first}"
+        )
     return {
         "workload": {
             "prompts_per_step": args.prompts_per_step,
@@ -712,13 +792,38 @@ def main() -> None:
     parser.add_argument("--train-repeats", type=int, default=3)
     parser.add_argument("--prompts-per-step", type=int, default=16)
     parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--micro-batch", type=int, default=64)
+    parser.add_argument(
+        "--micro-batch",
+        type=int,
+        default=None,
+        help="grpo training micro-batch rows (default: the whole step when tuned, else 64)",
+    )
+    parser.add_argument(
+        "--trainer",
+        default="tuned",
+        choices=sorted(TRAINER_OVERRIDES),
+        help="grpo trainer settings: tuned = compiled layers, packed rows, one micro-batch, "
+        "no separate logprob forward; plain = the earlier untuned settings",
+    )
     parser.add_argument("--max-batch", type=int, default=512)
     parser.add_argument("--length-median", type=float, default=24)
     parser.add_argument("--length-sigma", type=float, default=1.0)
+    parser.add_argument(
+        "--engine-max-seq-len",
+        type=int,
+        default=None,
+        help="grpo engines' static cache positions per slot (default: the trainer's "
+        "max_total_sequence_length; 0: the engine's default, up to 4096)",
+    )
     parser.add_argument("--length-cap", type=int, default=256)
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--warmup-steps", type=int, default=1)
+    parser.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=None,
+        help="unmeasured steps per grpo row (default 3 with --trainer tuned: the compiled "
+        "layers compile a static and then a dynamic-shape graph; else 1)",
+    )
     parser.add_argument("--modes", nargs="+", default=list(MODES))
     parser.add_argument(
         "--placements",
@@ -729,6 +834,8 @@ def main() -> None:
     parser.add_argument("--ceil-tflops", type=float, default=784.0)
     parser.add_argument("--ceil-tbps", type=float, default=4.22)
     args = parser.parse_args()
+    if args.warmup_steps is None:
+        args.warmup_steps = 3 if args.trainer == "tuned" else 1
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     build_device = "cuda" if device.type == "cuda" else "cpu"

@@ -12,7 +12,10 @@ attended-length bucket of every row: four or five kernels a layer, each reading 
 - it stops at ``min(position + 1, length)``: a row reads only the cache it attends, not the
   bucket's padding (free slots of the bucket are capped by ``length`` too);
 - the cache is read in place through its strides (``[slots, kv_heads, max_len, head_dim]``),
-  nothing is copied or repeated for the grouped heads.
+  nothing is copied or repeated for the grouped heads;
+- with ``cos``/``sin`` given, the query is rotated (rotary embedding, the rotate-half form)
+  as it is loaded, in float32 and rounded once to the query's dtype, so the decode step needs
+  no separate kernel for it.
 
 float32 inputs take IEEE products (no TF32), so a float32 engine stays exact enough for the
 CPU-vs-GPU greedy comparisons of the tests; bf16 inputs take the tensor cores. On CPU, or when
@@ -60,6 +63,13 @@ def kernel_supports(heads: int, kv_heads: int, head_dim: int) -> bool:
     )
 
 
+def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of ``x`` [..., D] (the rotate-half form): x cos + [-x2, x1] sin."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
 def reference_decode_attention(
     q: torch.Tensor,
     keys: torch.Tensor,
@@ -67,14 +77,20 @@ def reference_decode_attention(
     positions: torch.Tensor,
     length: int,
     scale: float,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[rows, heads, D] attention of ``q`` over ``keys``/``values`` [slots, kv_heads, max_len, D]
     (the first ``rows`` slots), positions ``0..positions[r]`` within the first ``length``.
+    ``cos``/``sin`` ([rows, 1, D]): rotate ``q`` by them first.
 
     The query heads that share a KV head are that head's "query positions" (no repeat). Two
     batched products around a float32 softmax; torch's fused attention with this mask ran
     slower on the H200 (cuDNN: 1.55 vs 1.49 ms a step at 64 rows).
     """
+    if cos is not None:
+        assert sin is not None
+        q = rotate_half(q, cos, sin)
     rows, heads, head_dim = q.shape
     kv_heads = keys.shape[1]
     grouped = q.reshape(rows, kv_heads, heads // kv_heads, head_dim)
@@ -89,12 +105,51 @@ def reference_decode_attention(
 if triton is not None:
 
     @triton.jit
+    def _attend_block(
+        q,
+        k_base,
+        v_base,
+        start,
+        last,
+        running_max,
+        running_sum,
+        acc,
+        d,
+        stride_k_pos,
+        stride_v_pos,
+        SCALE: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        """Online-softmax update with positions ``start..start+BLOCK_N`` below ``last``."""
+        t = start + tl.arange(0, BLOCK_N)
+        t_mask = t < last
+        k = tl.load(
+            k_base + t[:, None] * stride_k_pos + d[None, :], mask=t_mask[:, None], other=0.0
+        )
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        scores = tl.where(t_mask[None, :], scores * SCALE, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, 1))
+        correction = tl.exp(running_max - new_max)
+        p = tl.exp(scores - new_max[:, None])
+        running_sum = running_sum * correction + tl.sum(p, 1)
+        v = tl.load(
+            v_base + t[:, None] * stride_v_pos + d[None, :], mask=t_mask[:, None], other=0.0
+        )
+        # p.to(v.dtype): bf16 for the tensor cores; a no-op for float32 (IEEE products).
+        acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        return new_max, running_sum, acc
+
+    @triton.jit
     def _decode_attention_kernel(
         q_ptr,
         k_ptr,
         v_ptr,
         pos_ptr,
         out_ptr,
+        cos_ptr,
+        sin_ptr,
+        stride_cs_row,
         stride_q_row,
         stride_q_head,
         stride_k_slot,
@@ -115,9 +170,10 @@ if triton is not None:
         BLOCK_H: tl.constexpr,
         BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr,
-        IEEE: tl.constexpr,
+        PRECISION: tl.constexpr,
         SPLITS: tl.constexpr,
         SPLIT_LEN: tl.constexpr,
+        ROTARY: tl.constexpr,
     ):
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -129,39 +185,27 @@ if triton is not None:
         d = tl.arange(0, HEAD_DIM)
         head_mask = h < GROUP
         head = kv_head * GROUP + h
-        q = tl.load(
-            q_ptr + row * stride_q_row + head[:, None] * stride_q_head + d[None, :],
-            mask=head_mask[:, None],
-            other=0.0,
-        )
+        q_rows = q_ptr + row * stride_q_row + head[:, None] * stride_q_head
+        q = tl.load(q_rows + d[None, :], mask=head_mask[:, None], other=0.0)
+        if ROTARY:
+            # x cos + rotate_half(x) sin, rotate_half(x)[d] = -x[d + D/2] (d < D/2), x[d - D/2].
+            partner = (d + HEAD_DIM // 2) % HEAD_DIM
+            other = tl.load(q_rows + partner[None, :], mask=head_mask[:, None], other=0.0)
+            sign = tl.where(d < HEAD_DIM // 2, -1.0, 1.0)
+            cos = tl.load(cos_ptr + row * stride_cs_row + d).to(tl.float32)
+            sin = tl.load(sin_ptr + row * stride_cs_row + d).to(tl.float32)
+            q = q.to(tl.float32) * cos[None, :] + other.to(tl.float32) * (sign * sin)[None, :]
+            q = q.to(q_ptr.dtype.element_ty)
         k_base = k_ptr + row * stride_k_slot + kv_head * stride_k_head
         v_base = v_ptr + row * stride_v_slot + kv_head * stride_v_head
         running_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
         running_sum = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
         for start in range(first, last, BLOCK_N):
-            t = start + tl.arange(0, BLOCK_N)
-            t_mask = t < last
-            k = tl.load(
-                k_base + t[:, None] * stride_k_pos + d[None, :], mask=t_mask[:, None], other=0.0
-            )
-            if IEEE:
-                scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                scores = tl.dot(q, tl.trans(k))
-            scores = tl.where(t_mask[None, :], scores * SCALE, float("-inf"))
-            new_max = tl.maximum(running_max, tl.max(scores, 1))
-            correction = tl.exp(running_max - new_max)
-            p = tl.exp(scores - new_max[:, None])
-            running_sum = running_sum * correction + tl.sum(p, 1)
-            v = tl.load(
-                v_base + t[:, None] * stride_v_pos + d[None, :], mask=t_mask[:, None], other=0.0
-            )
-            if IEEE:
-                acc = acc * correction[:, None] + tl.dot(p, v, input_precision="ieee")
-            else:
-                acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v)
-            running_max = new_max
+            running_max, running_sum, acc = _attend_block(
+                q, k_base, v_base, start, last, running_max, running_sum, acc, d,
+                stride_k_pos, stride_v_pos, SCALE, BLOCK_N, PRECISION,
+            )  # fmt: skip
         if SPLITS == 1:
             out = acc / running_sum[:, None]
             tl.store(
@@ -213,16 +257,31 @@ def decode_attention(
     positions: torch.Tensor,
     length: int,
     scale: float,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``reference_decode_attention``'s result; one Triton kernel on CUDA (shapes that
-    ``kernel_supports``)."""
+    ``kernel_supports``). ``cos``/``sin`` [rows, 1, D]: rotate ``q`` by them first."""
     rows, heads, head_dim = q.shape
     kv_heads = keys.shape[1]
     if not (USE_KERNEL and q.is_cuda and kernel_supports(heads, kv_heads, head_dim)):
-        return reference_decode_attention(q, keys, values, positions, length, scale)
-    q = q.contiguous()
+        return reference_decode_attention(q, keys, values, positions, length, scale, cos, sin)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    # q may be a view of the fused QKV output (rows strided): the kernel reads it in place.
+    rotary = cos is not None
+    if rotary:
+        assert sin is not None
+        if cos.shape != (rows, 1, head_dim) or sin.shape != cos.shape:
+            raise ValueError(
+                f"decode_attention: cos/sin must be [rows, 1, head_dim] = [{rows}, 1, "
+                f"{head_dim}], got {tuple(cos.shape)} and {tuple(sin.shape)}"
+            )
+        cos, sin = cos.contiguous(), sin.contiguous()
+    else:
+        cos = sin = q  # unused (ROTARY=False)
     group = heads // kv_heads
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     block_h = max(MIN_BLOCK_H, triton.next_power_of_2(group))
     splits = min(SPLITS, triton.next_power_of_2(triton.cdiv(length, BLOCK_N)))
     split_len = triton.cdiv(triton.cdiv(length, splits), BLOCK_N) * BLOCK_N
@@ -236,6 +295,9 @@ def decode_attention(
         values,
         positions,
         out,
+        cos,
+        sin,
+        cos.stride(0) if rotary else 0,
         q.stride(0),
         q.stride(1),
         keys.stride(0),
@@ -258,9 +320,11 @@ def decode_attention(
         BLOCK_H=block_h,
         BLOCK_N=BLOCK_N,
         HEAD_DIM=head_dim,
-        IEEE=q.dtype == torch.float32,
+        # float32: IEEE products (no TF32); half types ignore the setting.
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         SPLITS=splits,
         SPLIT_LEN=split_len,
+        ROTARY=rotary,
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,
     )

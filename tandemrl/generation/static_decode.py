@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from tandemrl.generation import decode_sampler
-from tandemrl.generation.decode_attention import decode_attention
+from tandemrl.generation.decode_attention import decode_attention, rotate_half
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 # Smallest graph buckets: fewer, larger graphs; a step never attends fewer cache positions.
@@ -51,6 +51,16 @@ MIN_LENGTH_BUCKET = 64
 RECOMPILE_LIMIT = 128
 # Vocabulary block of the two-level inverse-CDF sampler (see StaticDecoder._sample_tokens).
 SAMPLE_BLOCK = 128
+# Decode step: rotate the queries inside the attention kernel (``decode_attention``'s cos/sin)
+# instead of in the compiled kernel that rotates and stores the keys (one kernel a layer less).
+ROPE_IN_ATTENTION = True
+# Decode step: the down projection as DOWN_SPLITS batched products over slices of the
+# intermediate size, their partial sums added by the next layer's residual/norm kernel instead
+# of cuBLAS's split-K reduction kernel. 1: one plain product.
+DOWN_SPLITS = 4
+# The same for the attention's output projection (its partial sums added in the residual add
+# before the post-attention norm). 1: one plain product.
+O_SPLITS = 1
 
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
@@ -250,6 +260,11 @@ class StaticDecoder:
         # Offsets of (keys|values, slot, kv head) rows in one layer's flattened cache.
         kv_rows = torch.arange(2 * slots * self.kv_heads, **on).view(2, slots, self.kv_heads)
         self.kv_row_offsets = kv_rows * max_len
+        self.rope_in_attention = ROPE_IN_ATTENTION
+        intermediate = int(self.layers[0].down_weight.shape[1])
+        self.down_splits = DOWN_SPLITS if intermediate % max(DOWN_SPLITS, 1) == 0 else 1
+        attention_width = self.heads * self.head_dim
+        self.o_splits = O_SPLITS if attention_width % max(O_SPLITS, 1) == 0 else 1
         self.no_delta = torch.zeros(slots, config.hidden_size, dtype=self.dtype, **on)
 
         self._attention_in: Callable[..., Any] = self._attention_in_eager
@@ -534,6 +549,7 @@ class StaticDecoder:
                 sin,
                 self.cache[index].view(-1, self.head_dim),
                 write_rows,
+                rotate_q=not self.rope_in_attention,
             )
             hidden, delta = self._attention_out_mlp(
                 hidden,
@@ -542,6 +558,8 @@ class StaticDecoder:
                 self.values[index],
                 positions,
                 length,
+                cos if self.rope_in_attention else None,
+                sin if self.rope_in_attention else None,
                 weights.o_weight,
                 weights.o_bias,
                 weights.post_norm,
@@ -563,11 +581,20 @@ class StaticDecoder:
         as_float = as_float * torch.rsqrt(as_float.pow(2).mean(-1, keepdim=True) + self.eps)
         return weight * as_float.to(hidden.dtype)
 
+    _rope = staticmethod(rotate_half)
+
     @staticmethod
-    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+    def _add_delta(hidden: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """Residual add of a layer's MLP output: [n, hidden], or [splits, n, hidden] partial
+        sums of a split down projection (added in float32, rounded once)."""
+        if delta.dim() == 3:
+            # Unrolled adds (pointwise, so inductor fuses them into the norm that follows)
+            # rather than a sum over the split dimension (a reduction kernel of its own).
+            total = hidden.float()
+            for part in delta.unbind(0):
+                total = total + part.float()
+            return total.to(hidden.dtype)
+        return hidden + delta
 
     def _attention_in_eager(
         self,
@@ -580,12 +607,14 @@ class StaticDecoder:
         sin: torch.Tensor,
         cache_rows: torch.Tensor,
         write_rows: torch.Tensor,
+        rotate_q: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Residual add, norm, QKV, rotary; the new keys/values ([2 * rows * kv_heads, dim])
         go into ``cache_rows`` (one layer's cache, flattened) at ``write_rows``, in the same
-        kernel as the rotary embedding when compiled."""
+        kernel as the rotary embedding when compiled. ``rotate_q=False``: the queries are
+        returned unrotated (the attention kernel rotates them)."""
         rows = hidden.shape[0]
-        hidden = hidden + delta
+        hidden = self._add_delta(hidden, delta)
         qkv = F.linear(self._rms_norm(hidden, norm), qkv_weight, qkv_bias)
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         q = qkv[:, :q_size].reshape(rows, self.heads, self.head_dim)
@@ -593,7 +622,7 @@ class StaticDecoder:
         v = qkv[:, q_size + kv_size :].reshape(rows, self.kv_heads, self.head_dim)
         new_kv = torch.stack([self._rope(k, cos, sin), v]).reshape(-1, self.head_dim)
         cache_rows.index_copy_(0, write_rows, new_kv)
-        return hidden, self._rope(q, cos, sin)
+        return hidden, self._rope(q, cos, sin) if rotate_q else q
 
     def _attention_out_mlp_eager(
         self,
@@ -603,6 +632,8 @@ class StaticDecoder:
         values: torch.Tensor,
         positions: torch.Tensor,
         length: int,
+        cos: torch.Tensor | None,
+        sin: torch.Tensor | None,
         o_weight: torch.Tensor,
         o_bias: torch.Tensor | None,
         post_norm: torch.Tensor,
@@ -610,8 +641,9 @@ class StaticDecoder:
         down_weight: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         rows = hidden.shape[0]
-        # One Triton kernel on CUDA, two batched products around a softmax elsewhere.
-        attended = decode_attention(q, keys, values, positions, length, self.scale)
+        # One Triton kernel on CUDA, two batched products around a softmax elsewhere; with
+        # cos/sin the queries are rotated there first.
+        attended = decode_attention(q, keys, values, positions, length, self.scale, cos, sin)
         attended = attended.reshape(rows, self.heads * self.head_dim)
         return self._out_mlp(
             hidden, attended, o_weight, o_bias, post_norm, gate_up_weight, down_weight
@@ -633,10 +665,29 @@ class StaticDecoder:
         as a bf16 add): as a plain add, inductor folds it into the product (``addmm``), which
         first copies the residual into the output, one more kernel a layer.
         """
-        projected = F.linear(attended, o_weight, o_bias)
-        hidden = (hidden.float() + projected.float()).to(hidden.dtype)
+        if self.o_splits == 1:
+            projected = F.linear(attended, o_weight, o_bias)
+            hidden = (hidden.float() + projected.float()).to(hidden.dtype)
+        else:
+            parts = self._split_linear(attended, o_weight, self.o_splits)
+            if o_bias is not None:
+                hidden = (hidden.float() + o_bias.float()).to(hidden.dtype)
+            hidden = self._add_delta(hidden, parts)
         gate, up = F.linear(self._rms_norm(hidden, post_norm), gate_up_weight).chunk(2, dim=-1)
-        return hidden, F.linear(F.silu(gate) * up, down_weight)
+        act = F.silu(gate) * up
+        if self.down_splits == 1:
+            return hidden, F.linear(act, down_weight)
+        # The consumer (_add_delta, in the next layer or the head) sums the partial products.
+        return hidden, self._split_linear(act, down_weight, self.down_splits)
+
+    @staticmethod
+    def _split_linear(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
+        """``F.linear(x, weight)`` as [splits, n, out] partial products over ``splits`` slices
+        of the input features (one batched product; see DOWN_SPLITS)."""
+        n, inner = x.shape
+        part = inner // splits
+        sliced = x.view(n, splits, part).transpose(0, 1)
+        return torch.bmm(sliced, weight.view(weight.shape[0], splits, part).permute(1, 2, 0))
 
     def _prefill_in_eager(self, *args: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """``_attention_in`` over a prefill's tokens (its own compiled, dynamic-shape copy)."""
@@ -669,7 +720,7 @@ class StaticDecoder:
     def _head_eager(
         self, hidden: torch.Tensor, delta: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor
     ) -> torch.Tensor:
-        return F.linear(self._rms_norm(hidden + delta, norm), lm_head)
+        return F.linear(self._rms_norm(self._add_delta(hidden, delta), norm), lm_head)
 
     def _vocab_blocks_eager(
         self, logits: torch.Tensor, temperatures: torch.Tensor

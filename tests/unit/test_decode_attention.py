@@ -11,6 +11,7 @@ from tandemrl.generation.decode_attention import (
     decode_attention,
     kernel_supports,
     reference_decode_attention,
+    rotate_half,
 )
 
 
@@ -37,6 +38,33 @@ def make_inputs(device, dtype, rows=5, slots=7, heads=14, kv_heads=2, head_dim=6
     return q.to(**to), cache[0].to(**to), cache[1].to(**to), positions.to(device)
 
 
+def rotary(rows, head_dim, device, dtype, seed=1):
+    """cos/sin [rows, 1, head_dim] of random positions (the static step's layout)."""
+    generator = torch.Generator().manual_seed(seed)
+    positions = torch.randint(0, 4096, (rows,), generator=generator).double()
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).double() / head_dim))
+    angles = positions[:, None] * inv_freq[None, :]
+    angles = torch.cat([angles, angles], dim=-1)[:, None, :]
+    return angles.cos().to(device, dtype), angles.sin().to(device, dtype)
+
+
+def test_rotate_half_is_the_pairwise_rotation() -> None:
+    # Element d and d + D/2 form one rotated pair: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s).
+    x = torch.randn(3, 4, 8, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    cos, sin = rotary(3, 8, "cpu", torch.float64)
+    got = rotate_half(x, cos, sin)
+    x1, x2, c, s = x[..., :4], x[..., 4:], cos[..., :4], sin[..., :4]
+    torch.testing.assert_close(got, torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1))
+
+
+def test_reference_rotates_the_query_when_given_cos_sin() -> None:
+    q, keys, values, positions = make_inputs("cpu", torch.float32)
+    cos, sin = rotary(q.shape[0], q.shape[-1], "cpu", torch.float32)
+    got = reference_decode_attention(q, keys, values, positions, 128, 0.125, cos, sin)
+    expected = naive(rotate_half(q, cos, sin), keys, values, positions, 128, 0.125)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_reference_matches_per_row_softmax() -> None:
     q, keys, values, positions = make_inputs("cpu", torch.float32)
     length = 128  # row 4 (position 190) is capped at the attended length
@@ -54,6 +82,9 @@ def test_triton_kernel_matches_reference(
     dtype: torch.dtype, compiled: bool, splits: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(decode_attention_module, "SPLITS", splits)
+    # Every parametrization recompiles decode_attention (one code object): start from an
+    # empty dynamo cache so the tests never reach its recompile limit.
+    torch._dynamo.reset()
     # The static step calls the kernel inside torch.compile(fullgraph=True): check that too.
     attend = torch.compile(decode_attention, fullgraph=True) if compiled else decode_attention
     q, keys, values, positions = make_inputs("cuda", dtype, rows=37, slots=40)
@@ -62,3 +93,28 @@ def test_triton_kernel_matches_reference(
         expected = naive(q, keys, values, positions, length, 0.125)
         tolerance = 1e-4 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.skipif(not kernel_supports(14, 2, 64), reason="needs CUDA and Triton")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_triton_kernel_rotates_the_query(dtype: torch.dtype, compiled: bool) -> None:
+    # The query rotated inside the kernel = rotated in float64 first, then attended; q is a
+    # strided view (rows of a wider tensor), as the static step hands it over.
+    torch._dynamo.reset()
+    attend = torch.compile(decode_attention, fullgraph=True) if compiled else decode_attention
+    q, keys, values, positions = make_inputs("cuda", dtype, rows=37, slots=40)
+    wide = torch.randn(37, q.shape[1] + 4, q.shape[2], device="cuda").to(dtype)
+    wide[:, 2 : 2 + q.shape[1]] = q
+    q = wide[:, 2 : 2 + q.shape[1]]
+    assert not q.is_contiguous()
+    cos, sin = rotary(37, q.shape[-1], "cuda", dtype)
+    for length in (64, 192):
+        got = attend(q, keys, values, positions, length, 0.125, cos, sin)
+        assert got.shape == q.shape and bool(torch.isfinite(got).all())
+        rotated = rotate_half(q.double(), cos.double(), sin.double())
+        expected = naive(rotated, keys, values, positions, length, 0.125)
+        tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance)
+    with pytest.raises(ValueError, match="cos/sin must be"):
+        decode_attention(q, keys, values, positions, 64, 0.125, cos[:5], sin[:5])

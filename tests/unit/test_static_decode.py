@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from tandemrl.generation import torch_engine
+from tandemrl.generation import static_decode, torch_engine
 from tandemrl.generation.static_decode import (
     StaticDecoder,
     _sample_sorted,
@@ -49,13 +49,30 @@ def _reference_logits(model: PreTrainedModel, tokens: torch.Tensor) -> torch.Ten
         return model(tokens).logits.float()
 
 
-def test_decode_step_matches_transformers_logits(preset_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("rope_in_attention", "down_splits", "o_splits"),
+    [(True, 1, 1), (False, 1, 1), (True, 2, 1), (False, 4, 2), (True, 4, 4)],
+)
+def test_decode_step_matches_transformers_logits(
+    preset_path: Path,
+    rope_in_attention: bool,
+    down_splits: int,
+    o_splits: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Both forms of the query rotation and of the down and output projections (one product,
+    # or partial products over slices of the input features summed by the residual add).
+    monkeypatch.setattr(static_decode, "ROPE_IN_ATTENTION", rope_in_attention)
+    monkeypatch.setattr(static_decode, "DOWN_SPLITS", down_splits)
+    monkeypatch.setattr(static_decode, "O_SPLITS", o_splits)
     reference_model = load_causal_lm(preset_path, device="cpu", dtype="float32")
     model = load_causal_lm(preset_path, device="cpu", dtype="float32")
     vocab = model.config.vocab_size
     tokens = torch.randint(3, vocab, (3, 20), generator=torch.Generator().manual_seed(0))
     reference = _reference_logits(reference_model, tokens)
     decoder = StaticDecoder(model, slots=8, max_len=32, use_graphs=False, compile_step=False)
+    assert decoder.rope_in_attention is rope_in_attention
+    assert (decoder.down_splits, decoder.o_splits) == (down_splits, o_splits)
     # Slots 5, 1, 6 (a gap and an unordered table), fed token by token: the step's own K/V.
     slots = torch.tensor([5, 1, 6])
     with torch.inference_mode():
@@ -68,7 +85,11 @@ def test_decode_step_matches_transformers_logits(preset_path: Path) -> None:
             assert error < 1e-5, (position, float(error))
 
 
-def test_prefill_then_step_matches_transformers(preset_path: Path) -> None:
+@pytest.mark.parametrize("down_splits", [1, 2])
+def test_prefill_then_step_matches_transformers(
+    preset_path: Path, down_splits: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(static_decode, "DOWN_SPLITS", down_splits)
     reference_model = load_causal_lm(preset_path, device="cpu", dtype="float32")
     model = load_causal_lm(preset_path, device="cpu", dtype="float32")
     tokens = torch.randint(3, model.config.vocab_size, (3, 20), generator=torch.Generator())
@@ -211,7 +232,12 @@ def test_engine_knob_refuses_unsupported_model_and_bad_values(preset_path: Path)
 
 @cuda_only
 @pytest.mark.parametrize("compile_step", [False, True])
-def test_graph_replay_matches_eager_step(preset_path: Path, compile_step: bool) -> None:
+@pytest.mark.parametrize("down_splits", [1, 2])
+def test_graph_replay_matches_eager_step(
+    preset_path: Path, compile_step: bool, down_splits: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(static_decode, "DOWN_SPLITS", down_splits)
+    monkeypatch.setattr(static_decode, "O_SPLITS", down_splits)
     model = load_causal_lm(preset_path, device="cuda", dtype="float32")
     eager = StaticDecoder(model, slots=16, max_len=64, use_graphs=False, compile_step=False)
     graphed = StaticDecoder(model, slots=16, max_len=64, use_graphs=True, compile_step=compile_step)
