@@ -9,8 +9,9 @@ slot and calls ``prefill`` (admission, recompute-KV), ``set_rows`` and ``step``.
 One step, for slots ``[0, rows)`` (``rows`` a power-of-two bucket above the highest busy slot):
 embed each slot's token, run every layer (RMSNorm, one fused QKV projection, rotary embedding,
 write K/V at the slot's position, attention over the slot's cache positions up to its own within
-the first ``length`` (``decode_attention.py``: one Triton kernel on CUDA), output projection,
-RMSNorm, one fused gate/up projection, SiLU, down projection), then sample one token per slot from
+the first ``length`` (``decode_attention.py``: one Triton kernel on CUDA, which also rotates the
+queries), output projection, RMSNorm, one fused gate/up projection, SiLU, down projection (as
+``DOWN_SPLITS`` partial products that the next residual add sums)), then sample one token per slot from
 the tempered distribution (inverse CDF of a host-drawn uniform, optional top-p; greedy slots take
 the argmax; on CUDA without top-p two Triton kernels, ``decode_sampler.py``) and write the
 token, its logprob, the next position and the next input token in place.
