@@ -53,7 +53,7 @@ RECOMPILE_LIMIT = 128
 # Vocabulary block of the two-level inverse-CDF sampler (see StaticDecoder._sample_tokens).
 SAMPLE_BLOCK = 128
 # Decode step: rotate the queries inside the attention kernel (``decode_attention``'s cos/sin)
-# instead of in the compiled kernel that rotates and stores the keys (one kernel a layer less).
+# instead of in a compiled kernel of their own (one kernel a layer less).
 ROPE_IN_ATTENTION = True
 # Decode step: the down projection as DOWN_SPLITS batched products over slices of the
 # intermediate size, their partial sums added by the next layer's residual/norm kernel instead
