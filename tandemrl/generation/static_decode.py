@@ -61,7 +61,7 @@ ROPE_IN_ATTENTION = True
 DOWN_SPLITS = 4
 # The same for the attention's output projection (its partial sums added in the residual add
 # before the post-attention norm). 1: one plain product.
-O_SPLITS = 1
+O_SPLITS = 2
 
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
@@ -298,6 +298,8 @@ class StaticDecoder:
             self._write_back = torch.compile(self._write_back_eager, fullgraph=True)
         self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
         self._pool: Any = torch.cuda.graph_pool_handle() if use_graphs else None
+        # Keys whose step has run (warm-up) at least once: release() keeps this set.
+        self._warmed: set[tuple[int, int, bool]] = set()
 
     @property
     def allocated(self) -> bool:
@@ -318,8 +320,8 @@ class StaticDecoder:
     def release(self) -> None:
         """Free the KV cache and the graphs (and their memory pool); ``allocate`` rebuilds.
 
-        The compiled step functions survive, so a rebuild recaptures graphs but never
-        recompiles.
+        The compiled step functions survive, so a rebuild recaptures graphs (without the
+        warm-up runs of a first capture) but never recompiles.
         """
         self._graphs.clear()
         self._pool = None
@@ -474,22 +476,26 @@ class StaticDecoder:
     # ------------------------------------------------------------------ the step
 
     def _capture(self, key: tuple[int, int, bool]) -> torch.cuda.CUDAGraph:
-        # Warm-up runs (compilation, cuBLAS workspaces) happen on a side stream, as capture
-        # requires; they write the same keys/values the real step writes, and the slots'
-        # tokens/positions/outputs are restored afterwards.
+        # Warm-up runs (compilation, Triton autotuning, cuBLAS handles) happen on a side
+        # stream, as capture requires; they write the same keys/values the real step writes,
+        # and the slots' tokens/positions/outputs are restored afterwards. A key captured
+        # before (a colocated engine recaptures after every wake, release() dropped its graphs)
+        # has had all of that already: it is captured straight away.
         saved = [tensor.clone() for tensor in (self.tokens, self.positions, self.out)]
 
         def restore() -> None:
             for tensor, copy in zip((self.tokens, self.positions, self.out), saved, strict=True):
                 tensor.copy_(copy)
 
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._decode(*key)
-                restore()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
+        if key not in self._warmed:
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._decode(*key)
+                    restore()
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            self._warmed.add(key)
         graph = torch.cuda.CUDAGraph()
         # thread_local: another thread (a trainer sharing the GPU) may use CUDA meanwhile.
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):

@@ -263,6 +263,43 @@ def test_graph_replay_matches_eager_step(
 
 
 @cuda_only
+def test_graphs_recaptured_after_release_match_eager(preset_path: Path) -> None:
+    """A colocated engine's wake: release() drops cache and graphs, allocate() rebuilds, and
+    the keys seen before are recaptured without warm-up runs; the steps still match eager."""
+    model = load_causal_lm(preset_path, device="cuda", dtype="float32")
+    eager = StaticDecoder(model, slots=16, max_len=64, use_graphs=False, compile_step=False)
+    graphed = StaticDecoder(model, slots=16, max_len=64, use_graphs=True, compile_step=True)
+    prompts = [[5, 6, 7, 8], [9, 10], [4, 11, 12]]
+    slots = [0, 5, 2]
+
+    def admit(decoder: StaticDecoder) -> None:
+        decoder.prefill(slots, [prompt[:-1] for prompt in prompts])
+        decoder.set_rows(
+            slots,
+            tokens=[prompt[-1] for prompt in prompts],
+            positions=[len(prompt) - 1 for prompt in prompts],
+            temperatures=[0.0, 1.0, 0.7],
+            top_ps=[1.0, 1.0, 1.0],
+        )
+
+    for wake in range(2):
+        for decoder in (eager, graphed):
+            if wake:
+                decoder.release()
+                decoder.allocate()
+            admit(decoder)
+        for step in range(4):
+            uniforms = [((step * 3 + slot) % 10) / 10 + 0.05 for slot in slots]
+            position = 3 + step
+            expected = eager.step(slots, uniforms, max_position=position, top_p=False)
+            actual = graphed.step(slots, uniforms, max_position=position, top_p=False)
+            assert actual[0] == expected[0]
+            assert max(abs(a - b) for a, b in zip(actual[1], expected[1], strict=True)) < 1e-4
+        assert graphed.graph_count >= 1
+    assert graphed._warmed == set(graphed._graphs)  # every key recaptured was warmed once
+
+
+@cuda_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sampler_kernel_is_the_inverse_cdf(dtype: torch.dtype) -> None:
     from tandemrl.generation.decode_sampler import sample_rows
