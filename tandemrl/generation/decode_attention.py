@@ -88,8 +88,9 @@ def reference_decode_attention(
     batched products around a float32 softmax; torch's fused attention with this mask ran
     slower on the H200 (cuDNN: 1.55 vs 1.49 ms a step at 64 rows).
     """
+    if (cos is None) != (sin is None):
+        raise ValueError("decode attention: cos and sin are given together or not at all")
     if cos is not None:
-        assert sin is not None
         q = rotate_half(q, cos, sin)
     rows, heads, head_dim = q.shape
     kv_heads = keys.shape[1]
@@ -269,9 +270,10 @@ def decode_attention(
     if q.stride(-1) != 1:
         q = q.contiguous()
     # q may be a view of the fused QKV output (rows strided): the kernel reads it in place.
+    if (cos is None) != (sin is None):
+        raise ValueError("decode attention: cos and sin are given together or not at all")
     rotary = cos is not None
     if rotary:
-        assert sin is not None
         if cos.shape != (rows, 1, head_dim) or sin.shape != cos.shape:
             raise ValueError(
                 f"decode_attention: cos/sin must be [rows, 1, head_dim] = [{rows}, 1, "

@@ -65,6 +65,14 @@ def test_reference_rotates_the_query_when_given_cos_sin() -> None:
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_cos_without_sin_is_refused() -> None:
+    q, keys, values, positions = make_inputs("cpu", torch.float32)
+    cos, _ = rotary(q.shape[0], q.shape[-1], "cpu", torch.float32)
+    for attention in (reference_decode_attention, decode_attention):
+        with pytest.raises(ValueError, match="cos and sin"):
+            attention(q, keys, values, positions, 128, 0.125, cos, None)
+
+
 def test_reference_matches_per_row_softmax() -> None:
     q, keys, values, positions = make_inputs("cpu", torch.float32)
     length = 128  # row 4 (position 190) is capped at the attended length
