@@ -7,7 +7,7 @@ reward reached at equal steps. Goal: async >= 1.6x sync throughput when generati
 training take about the same time, with learning curves equal within noise.
 
     python benchmarks/async_vs_sync.py [--steps 200] [--generation-batch 32] [--seed 42]
-        [--modes sync async streaming] [--no-reuse-logprobs] [--repeats 1]
+        [--modes sync async streaming] [--no-reuse-logprobs] [--repeats 1] [--seeds S1 S2 ...]
 
 ``--repeats N`` runs the modes N times, interleaved, and reports every run and the median of
 the per-repeat ratios: this VM's speed drifts by up to 1.8x between runs minutes apart, so
