@@ -50,17 +50,23 @@ def run_controller(cfg, *, latency=None, trainer=None, dataloader=None, engines=
     return controller, history, trainer, engines
 
 
+# Sync mode with room for exactly one step's 4 groups: dispatch waits for every sync.
+SYNC_ONE_STEP_AT_A_TIME = (
+    "async_rl.sampler.max_lookahead_versions=0",
+    "loss_fn.use_importance_sampling_correction=false",
+    "async_rl.max_buffered_rollouts=4",
+    "async_rl.max_inflight_prompts=4",
+    "async_rl.min_groups_for_streaming_train=4",
+)
+
+
 def trained_group_ids(controller) -> list[str]:
     return [group.group_id for _, group in controller.trained_groups]
 
 
 def test_sync_in_order_trains_fresh_full_steps():
     cfg = make_cfg(
-        "async_rl.sampler.max_lookahead_versions=0",
-        "loss_fn.use_importance_sampling_correction=false",
-        "async_rl.max_buffered_rollouts=4",
-        "async_rl.max_inflight_prompts=4",
-        "async_rl.min_groups_for_streaming_train=4",
+        *SYNC_ONE_STEP_AT_A_TIME,
     )
     controller, history, trainer, engines = run_controller(
         cfg, latency=LatencyModel("uniform", low=0.0, high=0.01)
@@ -244,11 +250,7 @@ def test_sync_mode_never_trains_ahead_of_the_weights():
     previous sync has landed."""
     events: list[tuple] = []
     cfg = make_cfg(
-        "async_rl.sampler.max_lookahead_versions=0",
-        "loss_fn.use_importance_sampling_correction=false",
-        "async_rl.max_buffered_rollouts=4",
-        "async_rl.max_inflight_prompts=4",
-        "async_rl.min_groups_for_streaming_train=4",
+        *SYNC_ONE_STEP_AT_A_TIME,
         "grpo.max_num_steps=4",
     )
     run_controller(
