@@ -265,10 +265,15 @@ TRAINER_OVERRIDES: dict[str, list[str]] = {
 }
 
 
+def max_total_sequence_length(args: argparse.Namespace) -> int:
+    """The trainer's policy.max_total_sequence_length for the workload: prompt + completion."""
+    return PROMPT_PREFIX_TOKENS + 16 + args.length_cap
+
+
 def engine_max_seq_len(args: argparse.Namespace) -> int:
     if args.engine_max_seq_len is not None:
         return args.engine_max_seq_len
-    return PROMPT_PREFIX_TOKENS + 16 + args.length_cap
+    return max_total_sequence_length(args)
 
 
 def micro_batch_rows(args: argparse.Namespace) -> int:
@@ -284,7 +289,7 @@ def grpo_config(folder: Path, args: argparse.Namespace, overrides: list[str] = (
         f"policy.device={'cuda' if torch.cuda.is_available() else 'cpu'}",
         f"policy.train_global_batch_size={n * g}",
         f"policy.train_micro_batch_size={micro_batch_rows(args)}",
-        f"policy.max_total_sequence_length={PROMPT_PREFIX_TOKENS + 16 + args.length_cap}",
+        f"policy.max_total_sequence_length={max_total_sequence_length(args)}",
         f"policy.generation.max_new_tokens={args.length_cap}",
         "policy.optimizer.lr=1.0e-6",
         f"grpo.num_prompts_per_step={n}",
