@@ -436,6 +436,7 @@ def _sync_one(
         row["host_round_trip_s"] = statistics.median(await _time_syncs(host_trip, 2))
         device_sync = DeviceWeightSync(sender, [host])
         row["device_copy_s"] = statistics.median(await _time_syncs(device_sync, 5))
+        row.update(_sync_breakdown(sender, host.engine))
         engine_params = host.engine.model.state_dict()
         row["device_copy_max_abs_err"] = max(
             float((engine_params[name].float() - value.to(torch.bfloat16).float()).abs().max())
@@ -463,6 +464,33 @@ def _sync_one(
     if num_gpus >= 2:
         asyncio.run(_sync_nccl(row, sender, folder, device, args))
     return row
+
+
+def _sync_breakdown(sender: FlatWeightSender, engine: Any, repeats: int = 5) -> dict[str, float]:
+    """Medians of the parts of an in-process sync, each timed alone between device syncs: the
+    trainer's staging, the engine's load of the staged views (its ``_load_state_dict``), and
+    the module-walking ``load_state_dict`` that load replaced (for comparison)."""
+    views = sender.layout.views(sender.buffer)
+
+    def timed(fn: Any) -> float:
+        times = []
+        for _ in range(repeats):
+            synchronize(sender.device)
+            started = time.perf_counter()
+            fn()
+            synchronize(sender.device)
+            times.append(time.perf_counter() - started)
+        return statistics.median(times)
+
+    def module_load() -> None:
+        with torch.no_grad():
+            engine.model.load_state_dict(views, strict=False)
+
+    return {
+        "stage_s": timed(sender.stage),
+        "engine_load_s": timed(lambda: engine._load_state_dict(views)),
+        "module_load_state_dict_s": timed(module_load),
+    }
 
 
 async def _sync_nccl(

@@ -248,6 +248,10 @@ class TorchGenerationEngine(GenerationBackend):
         # Static path: the decoder (cache + graphs) is built at the first step and dropped by
         # sleep; the slot count is fixed here, from the memory free now.
         self._decoder: StaticDecoder | None = None
+        # update_weights: (names and shapes sent, the copy plan for them); see _weight_plan.
+        self._weight_plan_cache: (
+            tuple[tuple[Any, ...], tuple[list[torch.Tensor], list[str]]] | None
+        ) = None
         # The launched, uncollected step: (handle, its rows, the weight version it used).
         self._in_flight: tuple[LaunchedStep, list[_Sequence], int] | None = None
         # Launch step n+1 before recording step n (the host works while the device runs). None:
@@ -841,15 +845,68 @@ class TorchGenerationEngine(GenerationBackend):
 
     @torch.inference_mode()
     def _load_state_dict(self, weights: Mapping[str, torch.Tensor]) -> None:
-        missing, unexpected = self.model.load_state_dict(dict(weights), strict=False)
-        if unexpected:
-            raise KeyError(f"update_weights: unknown parameter names {sorted(unexpected)[:5]}")
-        # A tied parameter (lm_head = embed_tokens) may be sent under one of its names only.
+        """Copy ``weights`` into the model's own tensors (in place: the static decoder's fused
+        views and captured graphs see the new values).
+
+        One ``_foreach_copy_`` over a plan checked once per set of names and shapes (a weight
+        sync sends the same names every time): ``load_state_dict`` spent milliseconds of host
+        time per sync walking the modules and copying tensor by tensor. On CUDA the copy is
+        waited for before this returns, so a sender may reuse its buffer once the update is
+        reported (a CUDA-IPC buffer is read by this process's stream, which the trainer's
+        process cannot see).
+        """
+        targets, names = self._weight_plan(weights)
+        sources = [weights[name] for name in names]
+        if all(
+            source.device == target.device for source, target in zip(sources, targets, strict=True)
+        ):
+            torch._foreach_copy_(targets, sources)
+        else:  # a host round trip: CPU tensors into a CUDA model
+            for target, source in zip(targets, sources, strict=True):
+                target.copy_(source)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def _weight_plan(
+        self, weights: Mapping[str, torch.Tensor]
+    ) -> tuple[list[torch.Tensor], list[str]]:
+        """(target tensors, the sent names to copy into them) for ``weights``: every name must
+        be the model's, with its shape; every tensor of the model must be sent (a tied one
+        under any of its names); a storage sent under two names is copied once."""
+        key = tuple((name, tuple(tensor.shape)) for name, tensor in weights.items())
+        if self._weight_plan_cache is not None and self._weight_plan_cache[0] == key:
+            return self._weight_plan_cache[1]
         own = self.model.state_dict(keep_vars=True)
-        sent = {own[name].data_ptr() for name in weights if name in own}
-        untied_missing = [name for name in missing if own[name].data_ptr() not in sent]
-        if untied_missing:
-            raise KeyError(f"update_weights: missing parameters {sorted(untied_missing)[:5]}")
+        unexpected = sorted(name for name in weights if name not in own)
+        if unexpected:
+            raise KeyError(f"update_weights: unknown parameter names {unexpected[:5]}")
+        wrong = [
+            f"{name}: sent {tuple(weights[name].shape)}, the model has {tuple(own[name].shape)}"
+            for name in weights
+            if weights[name].shape != own[name].shape
+        ]
+        if wrong:
+            raise ValueError(f"update_weights: shape mismatch for {wrong[:5]}")
+        targets: list[torch.Tensor] = []
+        names: list[str] = []
+        copied: set[tuple[int, tuple[int, ...]]] = set()
+        for name in weights:
+            target = own[name].data
+            where = (target.data_ptr(), tuple(target.shape))
+            if where in copied:
+                continue
+            copied.add(where)
+            targets.append(target)
+            names.append(name)
+        missing = sorted(
+            name
+            for name, tensor in own.items()
+            if name not in weights and (tensor.data_ptr(), tuple(tensor.shape)) not in copied
+        )
+        if missing:
+            raise KeyError(f"update_weights: missing parameters {missing[:5]}")
+        self._weight_plan_cache = (key, (targets, names))
+        return targets, names
 
 
 # ---------------------------------------------------------------------- helpers

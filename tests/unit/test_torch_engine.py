@@ -441,11 +441,23 @@ def test_update_weights_checks_names(
             await engine.update_weights(1, partial)
         with pytest.raises(TypeError, match="state dict"):
             await engine.update_weights(1, "weights.safetensors")
+        name = "model.layers.0.mlp.up_proj.weight"
+        wrong_shape = {**new_weights, name: new_weights[name][:-1]}
+        with pytest.raises(ValueError, match=f"shape mismatch for .*{name}"):
+            await engine.update_weights(1, wrong_shape)
+        assert await engine.weight_version() == 0  # a refused update loads nothing
         # A tied model may receive the shared tensor under one name only.
         untied_names = {k: v for k, v in new_weights.items() if k != "lm_head.weight"}
         await engine.update_weights(3, untied_names)
         assert await engine.weight_version() == 3
         assert torch.equal(engine.model.lm_head.weight, new_weights["model.embed_tokens.weight"])
+        # The copy plan is checked once per set of names: a later update with the same names
+        # (the weight sync's case) loads new values through the cached plan.
+        doubled = {k: 2 * v for k, v in untied_names.items()}
+        await engine.update_weights(4, doubled)
+        assert torch.equal(engine.model.lm_head.weight, doubled["model.embed_tokens.weight"])
+        for name, tensor in doubled.items():
+            assert torch.equal(engine.model.state_dict()[name], tensor.to(engine.model.dtype))
 
     run_with_engine(model_path, body)
 
