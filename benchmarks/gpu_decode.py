@@ -28,7 +28,8 @@ are measured for each. ``--mlp-configs``: that kernel's launch shapes to time in
 ``--compile-modes``: ``torch.compile`` modes of the graph's compiled step (``default``,
 ``max-autotune-no-cudagraphs``). ``--admission-batches`` with ``--workload longtail``: the engine
 over 4 x rows requests of lognormal lengths (rows join as others finish), for each
-``admission_batch``. ``--profile-prefill``: the admission prefill of ``rows`` prompts alone.
+``admission_batch``. ``--profile-prefill``: the admission prefill of ``rows`` prompts alone
+(for each step variant).
 
     python benchmarks/gpu_decode.py --size tiny --check-only          # CPU
     python benchmarks/gpu_decode.py --size 0.5b --batches 64 256      # GPU
@@ -390,18 +391,24 @@ def main() -> None:
     result: dict[str, Any] = {"size": args.size, "check_rel_err": check(model, 24, seed=0)}
     print(f"check: relative error {result['check_rel_err']:.2e}", flush=True)
     if cuda and not args.check_only:
-        if args.profile_prefill:
-            result["prefill"] = [
-                profile_prefill(model, rows, args.context) for rows in args.batches
-            ]
-            print("prefill", json.dumps(result["prefill"]), flush=True)
-        result["graph"] = []
-        launch = (decode_attention.BLOCK_N, decode_attention.NUM_WARPS, decode_attention.NUM_STAGES)
-        configs = [tuple(int(x) for x in c.split(":")) for c in args.attention_configs or []]
         defaults = (
             f"{int(static_decode.ROPE_IN_ATTENTION)}:{static_decode.DOWN_SPLITS}"
             f":{static_decode.O_SPLITS}:{int(static_decode.FUSED_SILU_DOWN)}"
         )
+        if args.profile_prefill:
+            # Per step variant: prefill runs the same MLP code (FUSED changes it too).
+            result["prefill"] = []
+            for variant in args.step_variants or [defaults]:
+                set_step_variant(variant)
+                for rows in args.batches:
+                    row = profile_prefill(model, rows, args.context)
+                    result["prefill"].append({**row, "step_variant": variant})
+                torch._dynamo.reset()
+            set_step_variant(defaults)
+            print("prefill", json.dumps(result["prefill"]), flush=True)
+        result["graph"] = []
+        launch = (decode_attention.BLOCK_N, decode_attention.NUM_WARPS, decode_attention.NUM_STAGES)
+        configs = [tuple(int(x) for x in c.split(":")) for c in args.attention_configs or []]
         mlp_configs = args.mlp_configs or ["table"]
         graph_variants = [
             (a, s_, c, m, shape, v, mlp)

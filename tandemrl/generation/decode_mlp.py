@@ -70,6 +70,10 @@ LAUNCH_TABLE: tuple[tuple[int, MlpLaunch], ...] = (
 LAUNCH_OVERRIDE: MlpLaunch | None = None
 # tl.dot's smallest tile: the block sizes are raised to it (and capped to the problem's size).
 MIN_BLOCK = 16
+# float32 tiles take twice the shared memory of bf16 ones: their pipeline stages are capped so
+# that stages x (gate, up and weight tiles) stays within this (the H200 allows 227 KiB a block;
+# the table's bf16 shapes use at most 96 KiB). Half types run the launch shape as given.
+FLOAT32_SHARED_BYTES = 160 * 1024
 # Set to False to run the torch reference on CUDA too (benchmarks compare both).
 USE_KERNEL = True
 
@@ -212,6 +216,10 @@ def launch_silu_down(
     block_m = max(MIN_BLOCK, launch.block_m)  # rows are masked, never fewer than tl.dot's 16
     block_n = _block(hidden, launch.block_n)
     block_k = _block(part, launch.block_k)
+    num_stages = launch.num_stages
+    if down_weight.dtype == torch.float32:
+        stage_bytes = 4 * block_k * (2 * block_m + block_n)
+        num_stages = max(1, min(num_stages, FLOAT32_SHARED_BYTES // stage_bytes))
     grid = (triton.cdiv(rows, block_m), triton.cdiv(hidden, block_n), splits)
     _silu_down_kernel[grid](
         gate_up,
@@ -233,7 +241,7 @@ def launch_silu_down(
         # float32: IEEE products (no TF32); half types ignore the setting.
         PRECISION="ieee" if down_weight.dtype == torch.float32 else "tf32",
         num_warps=launch.num_warps,
-        num_stages=launch.num_stages,
+        num_stages=num_stages,
     )
     return out
 
