@@ -137,6 +137,7 @@ class EngineHost(WeightReceiverHost):
         seed: int = 0,
         cuda_graphs: str = "auto",
         max_seq_len: int | None = None,
+        free_cache_on_sleep: bool = True,
     ) -> None:
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))
@@ -150,6 +151,7 @@ class EngineHost(WeightReceiverHost):
             eos_token_ids=[EOS_TOKEN_ID],
             cuda_graphs=cuda_graphs,
             max_seq_len=max_seq_len,
+            free_cache_on_sleep=free_cache_on_sleep,
         )
         self.lengths = lengths
         self.step_busy_s = 0.0

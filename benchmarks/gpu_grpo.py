@@ -19,6 +19,10 @@ Parts (``--part``, several allowed; each prints ``RESULT {json}`` and writes ``<
 - ``grpo``: the controller table: sync (in_order, lookahead 0), async (in_order 1) and
   streaming (weight_fifo, chunks of a quarter step), each colocated / sharing one GPU in one
   process / in two processes (CUDA IPC sync) / on two GPUs (NCCL sync) when there are two.
+  ``colocated`` frees the engine's cache and graphs for every train step;
+  ``colocated_kept`` and ``two_processes_paused`` stand the engine down without freeing
+  (``policy.generation.colocated.free_cache_on_sleep=false``), in the trainer's process or in
+  its own: the GPU then never runs decode and training at once.
 
     python benchmarks/gpu_grpo.py --part ceilings decode train sync grpo --out runs/gpu
     python benchmarks/gpu_grpo.py --size tiny --part decode train sync grpo   # CPU smoke
@@ -567,17 +571,26 @@ def bench_codec() -> TextCodec:
     )
 
 
+# Placements whose engine stands down while the trainer runs (policy.generation.colocated):
+# "colocated" frees its cache and graphs; "colocated_kept" (free_cache_on_sleep=false) and
+# "two_processes_paused" (the engine in its own process) only pause.
+STANDS_DOWN = ("colocated", "colocated_kept", "two_processes_paused")
+REMOTE_ENGINE = ("two_processes", "two_processes_paused", "two_gpus")
+
+
 def mode_overrides(mode: str, placement: str, args: argparse.Namespace) -> list[str]:
     n = args.prompts_per_step
     streaming = mode.startswith("streaming")
     capacity = n if mode == "sync" else 2 * n
+    stands_down = placement in STANDS_DOWN
     overrides = [
         *MODES[mode],
-        f"async_rl.min_groups_for_streaming_train={n // 4 if streaming and placement != 'colocated' else n}",
+        f"async_rl.min_groups_for_streaming_train={n // 4 if streaming and not stands_down else n}",
         f"async_rl.max_buffered_rollouts={capacity}",
         f"async_rl.max_inflight_prompts={capacity}",
         f"grpo.max_num_steps={args.warmup_steps + args.steps}",
-        f"policy.generation.colocated.enabled={str(placement == 'colocated').lower()}",
+        f"policy.generation.colocated.enabled={str(stands_down).lower()}",
+        "policy.generation.colocated.free_cache_on_sleep=" + str(placement == "colocated").lower(),
     ]
     if placement == "two_gpus":
         overrides.append("policy.generation.colocated.resources.gpus_per_node=1")
@@ -600,7 +613,7 @@ def run_grpo(
     num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if placement != "two_gpus":
         num_gpus = min(num_gpus, 1)  # the one-GPU placements
-    remote_engine = placement in ("two_processes", "two_gpus")
+    remote_engine = placement in REMOTE_ENGINE
     plan = device_plan(cfg, num_gpus=num_gpus, engine_processes=remote_engine)
     trainer_device = torch.device(plan.trainer_device)
     if trainer_device.type == "cuda":
@@ -618,6 +631,7 @@ def run_grpo(
         # default (the model's positions, at most 4096), 20x the bytes to allocate and zero
         # at every colocated wake.
         engine_kwargs["max_seq_len"] = engine_max_seq_len(args) or None
+        engine_kwargs["free_cache_on_sleep"] = cfg.policy.generation.colocated.free_cache_on_sleep
         if remote_engine:
             remotes.append(RemoteObject(make_engine_host, engine_kwargs))
             engines.append(remotes[-1])
@@ -862,7 +876,14 @@ def main() -> None:
         "--placements",
         nargs="+",
         default=["colocated", "shared_gpu", "two_processes"],
-        choices=["colocated", "shared_gpu", "two_processes", "two_gpus"],
+        choices=[
+            "colocated",
+            "colocated_kept",
+            "shared_gpu",
+            "two_processes",
+            "two_processes_paused",
+            "two_gpus",
+        ],
     )
     parser.add_argument("--ceil-tflops", type=float, default=784.0)
     parser.add_argument("--ceil-tbps", type=float, default=4.22)

@@ -45,6 +45,10 @@ class ColocatedResources(Strict):
 
 class ColocatedConfig(Strict):
     enabled: bool = False
+    # While the trainer runs, a sleeping torch engine on CUDA frees its KV cache and CUDA
+    # graphs (the trainer gets the memory; wake re-prefills the running rows and recaptures).
+    # False: it only pauses and keeps both — for when the trainer fits beside the cache.
+    free_cache_on_sleep: bool = True
     resources: ColocatedResources = ColocatedResources()
 
 

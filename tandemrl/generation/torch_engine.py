@@ -175,6 +175,7 @@ class TorchGenerationEngine(GenerationBackend):
         kv_cache_memory_fraction: float = 0.5,
         pipeline_steps: bool | None = None,
         admission_batch: int | None = None,
+        free_cache_on_sleep: bool = True,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -198,6 +199,9 @@ class TorchGenerationEngine(GenerationBackend):
         self.model = load_causal_lm(model_path, dtype=dtype, device=self.device)
         self.max_batch_size = max_batch_size
         self.recompute_kv_cache_after_weight_updates = recompute_kv_cache_after_weight_updates
+        # sleep() on CUDA frees the KV cache and CUDA graphs (policy.generation.colocated.
+        # free_cache_on_sleep); False: it only pauses, and wake() resumes with both intact.
+        self.free_cache_on_sleep = free_cache_on_sleep
         config = self.model.config
         # Stop tokens every request gets: the model's EOS (None: read from the model).
         self.eos_token_ids = frozenset(
@@ -329,7 +333,7 @@ class TorchGenerationEngine(GenerationBackend):
             self._awake.clear()
             # The static path's step in flight finishes first (its rows may end with it).
             finished = await self._in_executor(self._drain) if self._in_flight else []
-            if self.device.type == "cuda":
+            if self.device.type == "cuda" and self.free_cache_on_sleep:
                 # Free the KV cache; the first step after wake recomputes it.
                 if self._decoder is not None:
                     self._decoder.release()

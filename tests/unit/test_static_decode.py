@@ -355,6 +355,42 @@ def test_engine_static_path_matches_plain_path_on_cuda(preset_path: Path) -> Non
     assert asyncio.run(run("on")) == asyncio.run(run("off"))
 
 
+@cuda_only
+@pytest.mark.parametrize("free_cache", [True, False])
+def test_sleep_frees_or_keeps_the_cache_on_cuda(preset_path: Path, free_cache: bool) -> None:
+    """policy.generation.colocated.free_cache_on_sleep: a sleep mid-generation frees the
+    cache and graphs (wake re-prefills the running rows) or keeps both (nothing recomputed);
+    either way the greedy tokens are those of a run that never slept."""
+    prompts = [[5, 6, 7, 14], [9, 14]]
+    requests = [GenerationRequest(f"r{i}", p, 40, temperature=0.0) for i, p in enumerate(prompts)]
+
+    async def run(sleep: bool) -> list[list[int]]:
+        engine = TorchGenerationEngine(
+            preset_path,
+            device="cuda",
+            dtype="float32",
+            cuda_graphs="on",
+            eos_token_ids=(),
+            free_cache_on_sleep=free_cache,
+        )
+        running = asyncio.ensure_future(engine.generate(requests))
+        if sleep:
+            while engine.stats.decode_steps < 5:
+                await asyncio.sleep(0.001)
+            graphs = engine._decoder.graph_count
+            await engine.sleep()
+            assert engine._decoder.allocated == (not free_cache)
+            assert engine._decoder.graph_count == (0 if free_cache else graphs)
+            await asyncio.sleep(0.05)
+            await engine.wake()
+        results = await running
+        assert engine.stats.kv_recomputes == (1 if sleep and free_cache else 0)
+        await engine.shutdown()
+        return [result.token_ids for result in results]
+
+    assert asyncio.run(run(sleep=True)) == asyncio.run(run(sleep=False))
+
+
 def test_rebuild_that_finishes_every_row_launches_nothing(preset_path: Path) -> None:
     """A KV rebuild first collects the step in flight; if that ends every row, no launch."""
     engine = TorchGenerationEngine(
