@@ -39,7 +39,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -185,9 +187,12 @@ async def bench_engine(
     pipeline: bool,
     admission_batch: int | None = None,
     workload: str = "uniform",
+    bandwidth: float | None = None,
 ) -> dict[str, Any]:
     """``uniform``: ``rows`` requests of ``steps`` tokens, admitted at once; ``longtail``:
-    4 x ``rows`` requests of lognormal lengths (median ``steps / 2``, at most ``2 x steps``)."""
+    4 x ``rows`` requests of lognormal lengths (median ``steps / 2``, at most ``2 x steps``).
+    ``bandwidth`` (TB/s): also the steady decode step's fraction of the floor (uniform only:
+    every row busy, mean context ``prompt_len + steps / 2``, as in ``bench_graph``)."""
     longest = steps if workload == "uniform" else 2 * steps
     engine = TorchGenerationEngine(
         folder,
@@ -201,13 +206,19 @@ async def bench_engine(
     )
     step = engine._step
     busy = [0.0]
+    # (end of the step, whether it admitted): the steady decode rate is the median interval
+    # between the ends of two consecutive steps that admitted nothing (no prefill, no result
+    # building between them: what the floor describes).
+    ends: list[tuple[float, bool]] = []
 
     def timed_step(admit: list[Any]) -> list[Any]:
         started = time.perf_counter()
         try:
             return step(admit)
         finally:
-            busy[0] += time.perf_counter() - started
+            now = time.perf_counter()
+            busy[0] += now - started
+            ends.append((now, bool(admit)))
 
     engine._step = timed_step  # type: ignore[method-assign]
     prefill_s = [0.0]
@@ -249,6 +260,8 @@ async def bench_engine(
     await engine.generate(requests("w", count, steps))  # compiles and captures what it uses
     warm_s = time.perf_counter() - warm_started
     busy[0], prefill_s[0], steps_before = 0.0, 0.0, engine.stats.decode_steps
+    ends.clear()
+    wait_before = engine.stats.device_wait_s
     admissions_before = engine.stats.admissions
     started = time.perf_counter()
     results = await engine.generate(requests("r", count, steps))
@@ -270,11 +283,31 @@ async def bench_engine(
         "prefill_s": prefill_s[0],
         "ms_per_step_without_prefill": 1e3 * (busy[0] - prefill_s[0]) / max(decode_steps, 1),
         "wall_ms_per_step": 1e3 * elapsed / max(decode_steps, 1),
+        "steady_ms_per_step": 1e3 * steady_interval(ends),
+        "device_wait_ms_per_step": 1e3
+        * (engine.stats.device_wait_s - wait_before)
+        / max(decode_steps, 1),
         "warmup_s": warm_s,
         "graph_captures": engine.stats.graph_captures,
     }
+    if bandwidth and workload == "uniform":
+        weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+        kv_bytes = rows * (prompt_len + steps / 2) * kv_bytes_per_token(engine.model)
+        floor_ms = 1e3 * (weight_bytes + kv_bytes) / (bandwidth * 1e12)
+        out["steady_tok_s"] = rows * 1e3 / out["steady_ms_per_step"]
+        out["steady_floor_fraction"] = floor_ms / out["steady_ms_per_step"]
     await engine.shutdown()
     return out
+
+
+def steady_interval(ends: list[tuple[float, bool]]) -> float:
+    """Median seconds between the ends of consecutive steps that both admitted nothing."""
+    gaps = [
+        later - earlier
+        for (earlier, admitted_before), (later, admitted) in itertools.pairwise(ends)
+        if not admitted_before and not admitted
+    ]
+    return statistics.median(gaps) if gaps else float("nan")
 
 
 def profile_prefill(
@@ -361,7 +394,8 @@ def main() -> None:
         "--attention-configs",
         nargs="+",
         default=None,
-        help="decode_attention launch shapes to time in the graph, as BLOCK_N:WARPS:STAGES",
+        help="decode_attention launch shapes to time in the graph, as "
+        "BLOCK_N:WARPS:STAGES[:SPLITS] (SPLITS: programs per row and KV head, default 1)",
     )
     parser.add_argument(
         "--step-variants",
@@ -407,8 +441,13 @@ def main() -> None:
             set_step_variant(defaults)
             print("prefill", json.dumps(result["prefill"]), flush=True)
         result["graph"] = []
-        launch = (decode_attention.BLOCK_N, decode_attention.NUM_WARPS, decode_attention.NUM_STAGES)
-        configs = [tuple(int(x) for x in c.split(":")) for c in args.attention_configs or []]
+        launch = (
+            decode_attention.BLOCK_N,
+            decode_attention.NUM_WARPS,
+            decode_attention.NUM_STAGES,
+            decode_attention.SPLITS,
+        )
+        configs = [(*(int(x) for x in c.split(":")), 1)[:4] for c in args.attention_configs or []]
         mlp_configs = args.mlp_configs or ["table"]
         graph_variants = [
             (a, s_, c, m, shape, v, mlp)
@@ -428,9 +467,12 @@ def main() -> None:
             decode_mlp.LAUNCH_OVERRIDE = parse_mlp_config(mlp)
             decode_attention.USE_KERNEL = attention == "kernel"
             decode_sampler.USE_KERNEL = sampler == "kernel"
-            (decode_attention.BLOCK_N, decode_attention.NUM_WARPS, decode_attention.NUM_STAGES) = (
-                shape
-            )
+            (
+                decode_attention.BLOCK_N,
+                decode_attention.NUM_WARPS,
+                decode_attention.NUM_STAGES,
+                decode_attention.SPLITS,
+            ) = shape
             for rows in args.batches:
                 started = time.perf_counter()
                 try:
@@ -459,7 +501,12 @@ def main() -> None:
                 print("graph", json.dumps(summary), flush=True)
                 print("  top", json.dumps(row.get("top", [])[:25]), flush=True)
                 torch._dynamo.reset()  # each variant compiles afresh (and frees its graphs)
-        (decode_attention.BLOCK_N, decode_attention.NUM_WARPS, decode_attention.NUM_STAGES) = launch
+        (
+            decode_attention.BLOCK_N,
+            decode_attention.NUM_WARPS,
+            decode_attention.NUM_STAGES,
+            decode_attention.SPLITS,
+        ) = launch
         set_step_variant(defaults)
         decode_mlp.LAUNCH_OVERRIDE = None
         del model
@@ -494,6 +541,7 @@ def main() -> None:
                             pipeline,
                             admission or None,
                             args.workload,
+                            args.bandwidth_tbps,
                         )
                     )
                 except Exception as exc:

@@ -712,10 +712,12 @@ def run_grpo(
             "wall_s": round(t - t_prev, 4),
             "trainer_busy_s": round(busy - busy_prev, 4),
             "decode_busy_s": round(stats["step_busy_s"] - stats_prev["step_busy_s"], 4),
+            # Of that, the step thread's waits for the device (the rest is host work).
+            "device_wait_s": round(stats["device_wait_s"] - stats_prev["device_wait_s"], 4),
             # Engine work that a warmed-up run should not see, and the admissions' count.
             **{
                 key: stats[key] - stats_prev[key]
-                for key in ("graph_captures", "admissions", "decode_steps")
+                for key in ("graph_captures", "admissions", "decode_steps", "kv_recomputes")
                 if key in stats
             },
         }

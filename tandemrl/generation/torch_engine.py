@@ -118,6 +118,9 @@ class EngineStats:
     # Requests admitted while other sequences were mid-decode (continuous batching at work).
     joined_running_batch: int = 0
     graph_captures: int = 0  # static path: decode steps captured as CUDA graphs
+    # Static path: seconds the step thread waited for the device to finish a launched step
+    # (small against the steps' wall time: the host is the bottleneck).
+    device_wait_s: float = 0.0
 
 
 @dataclass(eq=False)
@@ -603,7 +606,9 @@ class TorchGenerationEngine(GenerationBackend):
         launched, sequences, version = self._in_flight
         self._in_flight = None
         assert self._decoder is not None
+        waited_from = time.perf_counter()
         token_ids, logprobs = self._decoder.collect(launched)
+        self.stats.device_wait_s += time.perf_counter() - waited_from
         rows = [
             (seq, token, logprob)
             for seq, token, logprob in zip(sequences, token_ids, logprobs, strict=True)
