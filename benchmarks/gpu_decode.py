@@ -155,7 +155,7 @@ def bench_graph(
     end.record()
     torch.cuda.synchronize()
     step_s = start.elapsed_time(end) / 1e3 / steps
-    logprobs = decoder.out[1, :rows]
+    logprobs = decoder.out[:rows, 1]
     assert bool(torch.isfinite(logprobs).all()), "non-finite logprobs"
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     mean_context = context + steps / 2

@@ -192,7 +192,7 @@ class LaunchedStep:
     """A decode step queued on the device (``StaticDecoder.launch``)."""
 
     slots: list[int]
-    results: torch.Tensor  # host [2, rows]: tokens, logprobs (valid once ``done`` completes)
+    results: torch.Tensor  # host [rows, 2]: tokens, logprobs (valid once ``done`` completes)
     done: torch.cuda.Event | None  # None on CPU, where the step ran synchronously
 
 
@@ -253,15 +253,16 @@ class StaticDecoder:
         self.greedy = torch.zeros(slots, dtype=torch.bool, **on)
         self.top_p = torch.ones(slots, dtype=torch.float32, **on)
         self.uniforms = torch.full((slots,), 0.5, dtype=torch.float32, **on)
-        # Row 0: sampled token, row 1: its logprob (float64 holds every token id exactly).
-        self.out = torch.zeros(2, slots, dtype=torch.float64, **on)
+        # Per slot: the sampled token and its logprob (float64 holds every token id exactly).
+        # Slot-major, so the first ``rows`` slots' results are one contiguous block.
+        self.out = torch.zeros(slots, 2, dtype=torch.float64, **on)
         # Host side of each launch (uniforms in, tokens and logprobs out), pinned on CUDA.
         pinned = self.device.type == "cuda"
         self._uniform_staging = [
             torch.zeros(slots, dtype=torch.float32, pin_memory=pinned) for _ in range(2)
         ]
         self._result_staging = [
-            torch.zeros(2, slots, dtype=torch.float64, pin_memory=pinned) for _ in range(2)
+            torch.zeros(slots, 2, dtype=torch.float64, pin_memory=pinned) for _ in range(2)
         ]
         self._launches = 0
         # Offsets of (keys|values, slot, kv head) rows in one layer's flattened cache.
@@ -461,8 +462,11 @@ class StaticDecoder:
             graph.replay()
         else:
             self._decode(*key)
-        results = self._result_staging[self._launches % 2][:, :rows]
-        results.copy_(self.out[:, :rows], non_blocking=True)
+        # Both sides contiguous: a strided device-to-host copy would go through an unpinned
+        # temporary, and such a copy waits for the device (the step just launched included),
+        # which took the step in flight away whenever the rows bucket was below the slots.
+        results = self._result_staging[self._launches % 2][:rows]
+        results.copy_(self.out[:rows], non_blocking=True)
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event()
@@ -474,7 +478,8 @@ class StaticDecoder:
         """Wait for a launched step; its tokens and logprobs in the order of its slots."""
         if launched.done is not None:
             launched.done.synchronize()
-        tokens, logprobs = launched.results[0].long().tolist(), launched.results[1].tolist()
+        tokens = launched.results[:, 0].long().tolist()
+        logprobs = launched.results[:, 1].tolist()
         return [tokens[slot] for slot in launched.slots], [
             logprobs[slot] for slot in launched.slots
         ]
@@ -532,8 +537,8 @@ class StaticDecoder:
     ) -> None:
         """The step's results into the slots' state (one kernel when compiled)."""
         rows = token.shape[0]
-        out[0, :rows] = token.to(torch.float64)
-        out[1, :rows] = logprob.to(torch.float64)
+        out[:rows, 0] = token.to(torch.float64)
+        out[:rows, 1] = logprob.to(torch.float64)
         # Free slots keep counting too; the clamp keeps their (ignored) writes inside the cache.
         positions[:rows] = (positions[:rows] + 1).clamp(max=max_len - 1)
         tokens[:rows] = token

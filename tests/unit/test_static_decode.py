@@ -134,6 +134,23 @@ def test_sampled_step_reports_tempered_logprobs_and_advances(preset_path: Path) 
     assert decoder.tokens[:2].tolist() == tokens
 
 
+def test_launch_results_of_a_small_bucket_are_one_contiguous_block(preset_path: Path) -> None:
+    """Rows bucket (8) below the slots (32): the launch's device results and its host staging
+    are contiguous blocks, so on CUDA the copy between them stays asynchronous (a strided
+    device-to-host copy goes through an unpinned temporary and waits for the device, which
+    cost the engine its step in flight in every bucket below the slot count)."""
+    model = load_causal_lm(preset_path, device="cpu", dtype="float32")
+    decoder = StaticDecoder(model, slots=32, max_len=16, use_graphs=False, compile_step=False)
+    decoder.set_rows(
+        [3, 6], tokens=[5, 7], positions=[0, 0], temperatures=[0.0, 0.0], top_ps=[1, 1]
+    )
+    launched = decoder.launch([3, 6], [0.5, 0.5], max_position=0, top_p=False)
+    assert launched.results.shape == (8, 2) and launched.results.is_contiguous()
+    assert decoder.out[:8].is_contiguous()
+    tokens, _ = decoder.collect(launched)
+    assert tokens == decoder.tokens[[3, 6]].tolist()  # the fed-back inputs are the samples
+
+
 def test_two_level_sampler_is_the_plain_inverse_cdf(preset_path: Path) -> None:
     model = load_causal_lm(preset_path, device="cpu", dtype="float32")
     decoder = StaticDecoder(model, slots=2, max_len=8, use_graphs=False, compile_step=False)
