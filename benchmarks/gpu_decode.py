@@ -17,19 +17,14 @@ Three measurements on a random-init Qwen2 of a real size (``gpu_common.QWEN2_SIZ
 (``decode_attention.py``, the default) or as the torch reference (two batched products around
 a softmax); the graph and engine rows are measured for each. ``--sampler kernel torch``: the
 sampling draw as one Triton kernel (``decode_sampler.py``) or as the torch passes.
-``--step-variants``: forms of the step as ``ROPE:SPLITS[:O_SPLITS[:FUSED]]``
+``--step-variants``: forms of the step as ``ROPE:SPLITS[:O_SPLITS]``
 (``static_decode.ROPE_IN_ATTENTION`` 0/1: the queries rotated inside the attention kernel;
 ``static_decode.DOWN_SPLITS`` / ``O_SPLITS``: the down / output projection as that many partial
-products, O_SPLITS 1 when left out; ``static_decode.FUSED_SILU_DOWN`` 0/1, 0 when left out:
-SiLU·up and the split down projection as one Triton kernel, ``decode_mlp.py``); the graph rows
-are measured for each. ``--mlp-configs``: that kernel's launch shapes to time in the graph
-(``BLOCK_M:BLOCK_N:BLOCK_K:WARPS:STAGES`` for every rows bucket, or ``table`` for
-``decode_mlp.LAUNCH_TABLE``), for the variants with FUSED 1.
+products); the graph rows are measured for each.
 ``--compile-modes``: ``torch.compile`` modes of the graph's compiled step (``default``,
 ``max-autotune-no-cudagraphs``). ``--admission-batches`` with ``--workload longtail``: the engine
 over 4 x rows requests of lognormal lengths (rows join as others finish), for each
-``admission_batch``. ``--profile-prefill``: the admission prefill of ``rows`` prompts alone
-(for each step variant).
+``admission_batch``. ``--profile-prefill``: the admission prefill of ``rows`` prompts alone.
 
     python benchmarks/gpu_decode.py --size tiny --check-only          # CPU
     python benchmarks/gpu_decode.py --size 0.5b --batches 64 256      # GPU
@@ -54,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_common import EOS_TOKEN_ID, QWEN2_SIZES, build_model_folder, write_result
 
-from tandemrl.generation import decode_attention, decode_mlp, decode_sampler, static_decode
+from tandemrl.generation import decode_attention, decode_sampler, static_decode
 from tandemrl.generation.static_decode import StaticDecoder, kv_bytes_per_token
 from tandemrl.generation.torch_engine import TorchGenerationEngine
 from tandemrl.models import load_causal_lm
@@ -354,18 +349,10 @@ def profile_prefill(
 
 
 def set_step_variant(variant: str) -> None:
-    """``ROPE:SPLITS[:O_SPLITS[:FUSED]]`` (see ``--step-variants``) into the modules' switches."""
-    rope, splits, *rest = variant.split(":")
+    """``ROPE:SPLITS[:O_SPLITS]`` (see ``--step-variants``) into the modules' switches."""
+    rope, splits, *o_splits = variant.split(":")
     static_decode.ROPE_IN_ATTENTION, static_decode.DOWN_SPLITS = rope == "1", int(splits)
-    static_decode.O_SPLITS = int(rest[0]) if rest else 1
-    static_decode.FUSED_SILU_DOWN = len(rest) > 1 and rest[1] == "1"
-
-
-def parse_mlp_config(text: str) -> decode_mlp.MlpLaunch | None:
-    """``BLOCK_M:BLOCK_N:BLOCK_K:WARPS:STAGES`` (see ``--mlp-configs``); ``table``: None."""
-    if text == "table":
-        return None
-    return decode_mlp.MlpLaunch(*(int(field) for field in text.split(":")))
+    static_decode.O_SPLITS = int(o_splits[0]) if o_splits else 1
 
 
 def main() -> None:
@@ -401,15 +388,7 @@ def main() -> None:
         "--step-variants",
         nargs="+",
         default=None,
-        help="ROPE:SPLITS[:O_SPLITS[:FUSED]] forms of the decode step to time (default: the "
-        "module's defaults)",
-    )
-    parser.add_argument(
-        "--mlp-configs",
-        nargs="+",
-        default=None,
-        help="decode_mlp launch shapes to time in the graph for FUSED variants, as "
-        "BLOCK_M:BLOCK_N:BLOCK_K:WARPS:STAGES or 'table' (decode_mlp.LAUNCH_TABLE by rows)",
+        help="ROPE:SPLITS[:O_SPLITS] forms of the decode step to time (default: the module's defaults)",
     )
     parser.add_argument("--profile-prefill", action="store_true")
     parser.add_argument("--skip-graph", action="store_true")
@@ -425,20 +404,10 @@ def main() -> None:
     result: dict[str, Any] = {"size": args.size, "check_rel_err": check(model, 24, seed=0)}
     print(f"check: relative error {result['check_rel_err']:.2e}", flush=True)
     if cuda and not args.check_only:
-        defaults = (
-            f"{int(static_decode.ROPE_IN_ATTENTION)}:{static_decode.DOWN_SPLITS}"
-            f":{static_decode.O_SPLITS}:{int(static_decode.FUSED_SILU_DOWN)}"
-        )
         if args.profile_prefill:
-            # Per step variant: prefill runs the same MLP code (FUSED changes it too).
-            result["prefill"] = []
-            for variant in args.step_variants or [defaults]:
-                set_step_variant(variant)
-                for rows in args.batches:
-                    row = profile_prefill(model, rows, args.context)
-                    result["prefill"].append({**row, "step_variant": variant})
-                torch._dynamo.reset()
-            set_step_variant(defaults)
+            result["prefill"] = [
+                profile_prefill(model, rows, args.context) for rows in args.batches
+            ]
             print("prefill", json.dumps(result["prefill"]), flush=True)
         result["graph"] = []
         launch = (
@@ -448,23 +417,23 @@ def main() -> None:
             decode_attention.SPLITS,
         )
         configs = [(*(int(x) for x in c.split(":")), 1)[:4] for c in args.attention_configs or []]
-        mlp_configs = args.mlp_configs or ["table"]
+        defaults = (
+            f"{int(static_decode.ROPE_IN_ATTENTION)}:{static_decode.DOWN_SPLITS}"
+            f":{static_decode.O_SPLITS}"
+        )
         graph_variants = [
-            (a, s_, c, m, shape, v, mlp)
+            (a, s_, c, m, shape, v)
             for v in args.step_variants or [defaults]
             for a in args.attention
             for s_ in args.sampler
             for c in args.compile
             for m in (args.compile_modes if c == "on" else ["default"])
             for shape in (configs if a == "kernel" and configs else [launch])
-            # The MLP kernel's launch shapes matter only where it runs.
-            for mlp in (mlp_configs if v.split(":")[3:4] == ["1"] else ["table"])
         ]
-        for attention, sampler, compile_flag, mode, shape, variant, mlp in (
+        for attention, sampler, compile_flag, mode, shape, variant in (
             [] if args.skip_graph else graph_variants
         ):
             set_step_variant(variant)
-            decode_mlp.LAUNCH_OVERRIDE = parse_mlp_config(mlp)
             decode_attention.USE_KERNEL = attention == "kernel"
             decode_sampler.USE_KERNEL = sampler == "kernel"
             (
@@ -493,7 +462,6 @@ def main() -> None:
                     compile_mode=mode,
                     attention_launch=shape,
                     step_variant=variant,
-                    mlp_launch=mlp,
                 )
                 row["wall_s"] = time.perf_counter() - started
                 result["graph"].append(row)
@@ -508,7 +476,6 @@ def main() -> None:
             decode_attention.SPLITS,
         ) = launch
         set_step_variant(defaults)
-        decode_mlp.LAUNCH_OVERRIDE = None
         del model
         torch.cuda.empty_cache()
         result["engine"] = []

@@ -11,8 +11,7 @@ embed each slot's token, run every layer (RMSNorm, one fused QKV projection, rot
 write K/V at the slot's position, attention over the slot's cache positions up to its own within
 the first ``length`` (``decode_attention.py``: one Triton kernel on CUDA, which also rotates the
 queries), output projection, RMSNorm, one fused gate/up projection, SiLU, down projection (as
-``DOWN_SPLITS`` partial products that the next residual add sums; ``FUSED_SILU_DOWN``, off
-by default: SiLU and the products in one kernel, ``decode_mlp.py``)), then sample a token per slot from
+``DOWN_SPLITS`` partial products that the next residual add sums)), then sample one token per slot from
 the tempered distribution (inverse CDF of a host-drawn uniform, optional top-p; greedy slots take
 the argmax; on CUDA without top-p two Triton kernels, ``decode_sampler.py``) and write the
 token, its logprob, the next position and the next input token in place.
@@ -43,7 +42,6 @@ import torch.nn.functional as F
 
 from tandemrl.generation import decode_sampler
 from tandemrl.generation.decode_attention import decode_attention, rotate_half
-from tandemrl.generation.decode_mlp import silu_down_partials
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 # Smallest graph buckets: fewer, larger graphs; a step never attends fewer cache positions.
@@ -64,10 +62,6 @@ DOWN_SPLITS = 4
 # The same for the attention's output projection (its partial sums added in the residual add
 # before the post-attention norm). 1: one plain product.
 O_SPLITS = 2
-# Decode and prefill: SiLU·up and the split down projection (DOWN_SPLITS > 1) as one Triton
-# kernel on CUDA (``decode_mlp.py``) instead of an elementwise kernel and a batched product.
-# False until it is timed on the GPU (benchmarks/gpu_decode.py --step-variants ...:1).
-FUSED_SILU_DOWN = False
 
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
@@ -691,11 +685,7 @@ class StaticDecoder:
             if o_bias is not None:
                 hidden = (hidden.float() + o_bias.float()).to(hidden.dtype)
             hidden = self._add_delta(hidden, parts)
-        gate_up = F.linear(self._rms_norm(hidden, post_norm), gate_up_weight)
-        if FUSED_SILU_DOWN and self.down_splits > 1:
-            # SiLU·up and the partial products in one kernel (the same [splits, n, hidden]).
-            return hidden, silu_down_partials(gate_up, down_weight, self.down_splits)
-        gate, up = gate_up.chunk(2, dim=-1)
+        gate, up = F.linear(self._rms_norm(hidden, post_norm), gate_up_weight).chunk(2, dim=-1)
         act = F.silu(gate) * up
         if self.down_splits == 1:
             return hidden, F.linear(act, down_weight)
