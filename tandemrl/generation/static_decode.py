@@ -21,7 +21,7 @@ runs eagerly (tests).
 
 Weights are *views*, never copies: ``fuse_projections`` concatenates q/k/v (and gate/up) once and
 rebinds the model's own parameters as views of the fused tensors. A weight update that
-``copy_``-s into the parameters (``load_state_dict``) therefore updates the fused tensors and
+copies into the parameters in place (the engine's ``update_weights``) therefore updates the fused tensors and
 every captured graph sees the new weights without recapture. Prefill runs the same layer code
 over all the right-padded prompts' tokens at once (causal attention per row through
 ``scaled_dot_product_attention``), writing keys/values straight into the slots; on CUDA it is
