@@ -388,7 +388,8 @@ def main() -> None:
         "--step-variants",
         nargs="+",
         default=None,
-        help="ROPE:SPLITS[:O_SPLITS] forms of the decode step to time (default: the module's defaults)",
+        help="ROPE:SPLITS[:O_SPLITS] forms of the decode step to time (default: the "
+        "module's defaults)",
     )
     parser.add_argument("--profile-prefill", action="store_true")
     parser.add_argument("--skip-graph", action="store_true")

@@ -21,8 +21,8 @@ runs eagerly (tests).
 
 Weights are *views*, never copies: ``fuse_projections`` concatenates q/k/v (and gate/up) once and
 rebinds the model's own parameters as views of the fused tensors. A weight update that
-copies into the parameters in place (the engine's ``update_weights``) therefore updates the fused tensors and
-every captured graph sees the new weights without recapture. Prefill runs the same layer code
+copies into the parameters in place (the engine's ``update_weights``) therefore updates the
+fused tensors and every captured graph sees the new weights without recapture. Prefill runs the same layer code
 over all the right-padded prompts' tokens at once (causal attention per row through
 ``scaled_dot_product_attention``), writing keys/values straight into the slots; on CUDA it is
 compiled too, with dynamic token counts.
