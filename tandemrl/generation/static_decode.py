@@ -11,10 +11,10 @@ embed each slot's token, run every layer (RMSNorm, one fused QKV projection, rot
 write K/V at the slot's position, attention over the slot's cache positions up to its own within
 the first ``length`` (``decode_attention.py``: one Triton kernel on CUDA, which also rotates the
 queries), output projection, RMSNorm, one fused gate/up projection, SiLU, down projection (as
-``DOWN_SPLITS`` partial products that the next residual add sums)), then sample one token per slot from
-the tempered distribution (inverse CDF of a host-drawn uniform, optional top-p; greedy slots take
-the argmax; on CUDA without top-p two Triton kernels, ``decode_sampler.py``) and write the
-token, its logprob, the next position and the next input token in place.
+``DOWN_SPLITS`` partial products that the next residual add sums)), then sample one token per
+slot from the tempered distribution (inverse CDF of a host-drawn uniform, optional top-p; greedy
+slots take the argmax; on CUDA without top-p two Triton kernels, ``decode_sampler.py``) and
+write the token, its logprob, the next position and the next input token in place.
 Free slots inside the bucket are computed and ignored. Shapes are static per ``(rows, length,
 top_p)``, so on CUDA each such key is captured once as a graph and replayed; on CPU the same code
 runs eagerly (tests).
@@ -22,10 +22,10 @@ runs eagerly (tests).
 Weights are *views*, never copies: ``fuse_projections`` concatenates q/k/v (and gate/up) once and
 rebinds the model's own parameters as views of the fused tensors. A weight update that
 copies into the parameters in place (the engine's ``update_weights``) therefore updates the
-fused tensors and every captured graph sees the new weights without recapture. Prefill runs the same layer code
-over all the right-padded prompts' tokens at once (causal attention per row through
-``scaled_dot_product_attention``), writing keys/values straight into the slots; on CUDA it is
-compiled too, with dynamic token counts.
+fused tensors and every captured graph sees the new weights without recapture. Prefill runs
+the same layer code over all the right-padded prompts' tokens at once (causal attention per
+row through ``scaled_dot_product_attention``), writing keys/values straight into the slots;
+on CUDA it is compiled too, with dynamic token counts.
 
 Logprob convention: the torch engine's (``log_softmax(logits / temperature)`` of float32 logits;
 temperature 1 for greedy rows; top-p changes the draw, not the reported logprob).
