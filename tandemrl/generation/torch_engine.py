@@ -119,7 +119,7 @@ class EngineStats:
     joined_running_batch: int = 0
     graph_captures: int = 0  # static path: decode steps captured as CUDA graphs
     # Static path: seconds the step thread waited for the device to finish a launched step
-    # (small against the steps' wall time: the host is the bottleneck).
+    # (small against the steps' wall time when the host, not the device, sets the pace).
     device_wait_s: float = 0.0
 
 
