@@ -17,10 +17,10 @@ Three measurements on a random-init Qwen2 of a real size (``gpu_common.QWEN2_SIZ
 (``decode_attention.py``, the default) or as the torch reference (two batched products around
 a softmax); the graph and engine rows are measured for each. ``--sampler kernel torch``: the
 sampling draw as one Triton kernel (``decode_sampler.py``) or as the torch passes.
-``--step-variants``: forms of the step as ``ROPE:SPLITS[:O_SPLITS]``
+``--step-variants``: forms of the step as ``ROPE:SPLITS[:O_SPLITS[:QKV_SPLITS]]``
 (``static_decode.ROPE_IN_ATTENTION`` 0/1: the queries rotated inside the attention kernel;
-``static_decode.DOWN_SPLITS`` / ``O_SPLITS``: the down / output projection as that many partial
-products); the graph rows are measured for each.
+``static_decode.DOWN_SPLITS`` / ``O_SPLITS`` / ``QKV_SPLITS``: the down / output / QKV
+projection as that many partial products, 1 when left out); the graph rows are measured for each.
 ``--compile-modes``: ``torch.compile`` modes of the graph's compiled step (``default``,
 ``max-autotune-no-cudagraphs``). ``--admission-batches`` with ``--workload longtail``: the engine
 over 4 x rows requests of lognormal lengths (rows join as others finish), for each
@@ -349,10 +349,11 @@ def profile_prefill(
 
 
 def set_step_variant(variant: str) -> None:
-    """``ROPE:SPLITS[:O_SPLITS]`` (see ``--step-variants``) into the modules' switches."""
-    rope, splits, *o_splits = variant.split(":")
+    """``ROPE:SPLITS[:O_SPLITS[:QKV_SPLITS]]`` (see ``--step-variants``) into the switches."""
+    rope, splits, *rest = variant.split(":")
     static_decode.ROPE_IN_ATTENTION, static_decode.DOWN_SPLITS = rope == "1", int(splits)
-    static_decode.O_SPLITS = int(o_splits[0]) if o_splits else 1
+    static_decode.O_SPLITS = int(rest[0]) if rest else 1
+    static_decode.QKV_SPLITS = int(rest[1]) if len(rest) > 1 else 1
 
 
 def main() -> None:
@@ -388,7 +389,7 @@ def main() -> None:
         "--step-variants",
         nargs="+",
         default=None,
-        help="ROPE:SPLITS[:O_SPLITS] forms of the decode step to time (default: the "
+        help="ROPE:SPLITS[:O_SPLITS[:QKV_SPLITS]] forms of the decode step to time (default: the "
         "module's defaults)",
     )
     parser.add_argument("--profile-prefill", action="store_true")
@@ -420,7 +421,7 @@ def main() -> None:
         configs = [(*(int(x) for x in c.split(":")), 1)[:4] for c in args.attention_configs or []]
         defaults = (
             f"{int(static_decode.ROPE_IN_ATTENTION)}:{static_decode.DOWN_SPLITS}"
-            f":{static_decode.O_SPLITS}"
+            f":{static_decode.O_SPLITS}:{static_decode.QKV_SPLITS}"
         )
         graph_variants = [
             (a, s_, c, m, shape, v)

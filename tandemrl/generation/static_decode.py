@@ -62,6 +62,10 @@ DOWN_SPLITS = 4
 # The same for the attention's output projection (its partial sums added in the residual add
 # before the post-attention norm). 1: one plain product.
 O_SPLITS = 2
+# The same for the fused QKV projection (its partial sums and bias added, in float32, in the
+# kernel that rotates the keys and writes the cache). 1: one plain product with its bias — the
+# default until the split form is timed on a GPU (benchmarks/gpu_decode.py --step-variants).
+QKV_SPLITS = 1
 
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
@@ -267,6 +271,8 @@ class StaticDecoder:
         self.down_splits = DOWN_SPLITS if intermediate % max(DOWN_SPLITS, 1) == 0 else 1
         attention_width = self.heads * self.head_dim
         self.o_splits = O_SPLITS if attention_width % max(O_SPLITS, 1) == 0 else 1
+        hidden_size = int(config.hidden_size)
+        self.qkv_splits = QKV_SPLITS if hidden_size % max(QKV_SPLITS, 1) == 0 else 1
         self.no_delta = torch.zeros(slots, config.hidden_size, dtype=self.dtype, **on)
 
         self._attention_in: Callable[..., Any] = self._attention_in_eager
@@ -627,7 +633,15 @@ class StaticDecoder:
         returned unrotated (the attention kernel rotates them)."""
         rows = hidden.shape[0]
         hidden = self._add_delta(hidden, delta)
-        qkv = F.linear(self._rms_norm(hidden, norm), qkv_weight, qkv_bias)
+        normed = self._rms_norm(hidden, norm)
+        if self.qkv_splits == 1:
+            qkv = F.linear(normed, qkv_weight, qkv_bias)
+        else:
+            parts = self._split_linear(normed, qkv_weight, self.qkv_splits)
+            total = qkv_bias.float() if qkv_bias is not None else 0.0
+            for part in parts.unbind(0):  # unrolled: pointwise, fused into the rotary kernel
+                total = total + part.float()
+            qkv = total.to(hidden.dtype)
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         q = qkv[:, :q_size].reshape(rows, self.heads, self.head_dim)
         k = qkv[:, q_size : q_size + kv_size].reshape(rows, self.kv_heads, self.head_dim)

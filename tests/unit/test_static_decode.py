@@ -50,14 +50,23 @@ def _reference_logits(model: PreTrainedModel, tokens: torch.Tensor) -> torch.Ten
 
 
 @pytest.mark.parametrize(
-    ("rope_in_attention", "down_splits", "o_splits"),
-    [(True, 1, 1), (False, 1, 1), (True, 2, 1), (False, 4, 2), (True, 4, 4)],
+    ("rope_in_attention", "down_splits", "o_splits", "qkv_splits"),
+    [
+        (True, 1, 1, 1),
+        (False, 1, 1, 1),
+        (True, 2, 1, 1),
+        (False, 4, 2, 1),
+        (True, 4, 4, 1),
+        (True, 4, 2, 2),
+        (False, 1, 1, 4),
+    ],
 )
 def test_decode_step_matches_transformers_logits(
     preset_path: Path,
     rope_in_attention: bool,
     down_splits: int,
     o_splits: int,
+    qkv_splits: int,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Both forms of the query rotation and of the down and output projections (one product,
@@ -65,6 +74,7 @@ def test_decode_step_matches_transformers_logits(
     monkeypatch.setattr(static_decode, "ROPE_IN_ATTENTION", rope_in_attention)
     monkeypatch.setattr(static_decode, "DOWN_SPLITS", down_splits)
     monkeypatch.setattr(static_decode, "O_SPLITS", o_splits)
+    monkeypatch.setattr(static_decode, "QKV_SPLITS", qkv_splits)
     reference_model = load_causal_lm(preset_path, device="cpu", dtype="float32")
     model = load_causal_lm(preset_path, device="cpu", dtype="float32")
     vocab = model.config.vocab_size
@@ -73,6 +83,7 @@ def test_decode_step_matches_transformers_logits(
     decoder = StaticDecoder(model, slots=8, max_len=32, use_graphs=False, compile_step=False)
     assert decoder.rope_in_attention is rope_in_attention
     assert (decoder.down_splits, decoder.o_splits) == (down_splits, o_splits)
+    assert decoder.qkv_splits == qkv_splits
     # Slots 5, 1, 6 (a gap and an unordered table), fed token by token: the step's own K/V.
     slots = torch.tensor([5, 1, 6])
     with torch.inference_mode():
@@ -90,6 +101,7 @@ def test_prefill_then_step_matches_transformers(
     preset_path: Path, down_splits: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(static_decode, "DOWN_SPLITS", down_splits)
+    monkeypatch.setattr(static_decode, "QKV_SPLITS", down_splits)  # prefill shares the code
     reference_model = load_causal_lm(preset_path, device="cpu", dtype="float32")
     model = load_causal_lm(preset_path, device="cpu", dtype="float32")
     tokens = torch.randint(3, model.config.vocab_size, (3, 20), generator=torch.Generator())
@@ -255,6 +267,7 @@ def test_graph_replay_matches_eager_step(
 ) -> None:
     monkeypatch.setattr(static_decode, "DOWN_SPLITS", down_splits)
     monkeypatch.setattr(static_decode, "O_SPLITS", down_splits)
+    monkeypatch.setattr(static_decode, "QKV_SPLITS", down_splits)
     model = load_causal_lm(preset_path, device="cuda", dtype="float32")
     eager = StaticDecoder(model, slots=16, max_len=64, use_graphs=False, compile_step=False)
     graphed = StaticDecoder(model, slots=16, max_len=64, use_graphs=True, compile_step=compile_step)
