@@ -602,16 +602,22 @@ class StaticDecoder:
     _rope = staticmethod(rotate_half)
 
     @staticmethod
-    def _add_delta(hidden: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    def _sum_parts(first: torch.Tensor | None, parts: torch.Tensor) -> torch.Tensor:
+        """``first`` (None: nothing) plus the partial products ``parts`` [splits, ...] of a
+        split projection, in float32. Unrolled adds (pointwise, so inductor fuses them into
+        the kernel that consumes the sum) rather than a sum over the split dimension (a
+        reduction kernel of its own)."""
+        total: Any = first.float() if first is not None else 0.0
+        for part in parts.unbind(0):
+            total = total + part.float()
+        return total
+
+    @classmethod
+    def _add_delta(cls, hidden: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """Residual add of a layer's MLP output: [n, hidden], or [splits, n, hidden] partial
         sums of a split down projection (added in float32, rounded once)."""
         if delta.dim() == 3:
-            # Unrolled adds (pointwise, so inductor fuses them into the norm that follows)
-            # rather than a sum over the split dimension (a reduction kernel of its own).
-            total = hidden.float()
-            for part in delta.unbind(0):
-                total = total + part.float()
-            return total.to(hidden.dtype)
+            return cls._sum_parts(hidden, delta).to(hidden.dtype)
         return hidden + delta
 
     def _attention_in_eager(
@@ -638,10 +644,7 @@ class StaticDecoder:
             qkv = F.linear(normed, qkv_weight, qkv_bias)
         else:
             parts = self._split_linear(normed, qkv_weight, self.qkv_splits)
-            total = qkv_bias.float() if qkv_bias is not None else 0.0
-            for part in parts.unbind(0):  # unrolled: pointwise, fused into the rotary kernel
-                total = total + part.float()
-            qkv = total.to(hidden.dtype)
+            qkv = self._sum_parts(qkv_bias, parts).to(hidden.dtype)
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         q = qkv[:, :q_size].reshape(rows, self.heads, self.head_dim)
         k = qkv[:, q_size : q_size + kv_size].reshape(rows, self.kv_heads, self.head_dim)
