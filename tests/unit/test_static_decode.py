@@ -259,6 +259,43 @@ def test_engine_knob_refuses_unsupported_model_and_bad_values(preset_path: Path)
 # --------------------------------------------------------------------------- CUDA only
 
 
+def _admit(
+    decoder: StaticDecoder,
+    slots: list[int],
+    prompts: list[list[int]],
+    temperatures: list[float],
+    top_ps: list[float],
+) -> None:
+    """Prefill each prompt but its last token into its slot; that token is the next input."""
+    decoder.prefill(slots, [prompt[:-1] for prompt in prompts])
+    decoder.set_rows(
+        slots,
+        tokens=[prompt[-1] for prompt in prompts],
+        positions=[len(prompt) - 1 for prompt in prompts],
+        temperatures=temperatures,
+        top_ps=top_ps,
+    )
+
+
+def _assert_steps_match(
+    eager: StaticDecoder,
+    graphed: StaticDecoder,
+    slots: list[int],
+    *,
+    steps: int,
+    stride: int,
+    top_p: bool,
+) -> None:
+    """``steps`` decode steps of both decoders draw the same tokens, logprobs within 1e-4."""
+    for step in range(steps):
+        uniforms = [((step * stride + slot) % 10) / 10 + 0.05 for slot in slots]
+        position = 3 + step
+        expected = eager.step(slots, uniforms, max_position=position, top_p=top_p)
+        actual = graphed.step(slots, uniforms, max_position=position, top_p=top_p)
+        assert actual[0] == expected[0]
+        assert max(abs(a - b) for a, b in zip(actual[1], expected[1], strict=True)) < 1e-4
+
+
 @cuda_only
 @pytest.mark.parametrize("compile_step", [False, True])
 @pytest.mark.parametrize("down_splits", [1, 2])
@@ -274,21 +311,8 @@ def test_graph_replay_matches_eager_step(
     prompts = [[5 + i, 6, 7 + i, 8][: 2 + i % 3] for i in range(5)]
     slots = [0, 3, 4, 9, 2]
     for decoder in (eager, graphed):
-        decoder.prefill(slots, [prompt[:-1] for prompt in prompts])
-        decoder.set_rows(
-            slots,
-            tokens=[prompt[-1] for prompt in prompts],
-            positions=[len(prompt) - 1 for prompt in prompts],
-            temperatures=[0.0, 1.0, 0.8, 0.0, 1.2],
-            top_ps=[1.0, 0.9, 1.0, 1.0, 0.5],
-        )
-    for step in range(12):
-        uniforms = [((step * 7 + slot) % 10) / 10 + 0.05 for slot in slots]
-        position = 3 + step
-        expected = eager.step(slots, uniforms, max_position=position, top_p=True)
-        actual = graphed.step(slots, uniforms, max_position=position, top_p=True)
-        assert actual[0] == expected[0]
-        assert max(abs(a - b) for a, b in zip(actual[1], expected[1], strict=True)) < 1e-4
+        _admit(decoder, slots, prompts, [0.0, 1.0, 0.8, 0.0, 1.2], [1.0, 0.9, 1.0, 1.0, 0.5])
+    _assert_steps_match(eager, graphed, slots, steps=12, stride=7, top_p=True)
     assert graphed.graph_count >= 1
 
 
@@ -301,30 +325,13 @@ def test_graphs_recaptured_after_release_match_eager(preset_path: Path) -> None:
     graphed = StaticDecoder(model, slots=16, max_len=64, use_graphs=True, compile_step=True)
     prompts = [[5, 6, 7, 8], [9, 10], [4, 11, 12]]
     slots = [0, 5, 2]
-
-    def admit(decoder: StaticDecoder) -> None:
-        decoder.prefill(slots, [prompt[:-1] for prompt in prompts])
-        decoder.set_rows(
-            slots,
-            tokens=[prompt[-1] for prompt in prompts],
-            positions=[len(prompt) - 1 for prompt in prompts],
-            temperatures=[0.0, 1.0, 0.7],
-            top_ps=[1.0, 1.0, 1.0],
-        )
-
     for wake in range(2):
         for decoder in (eager, graphed):
             if wake:
                 decoder.release()
                 decoder.allocate()
-            admit(decoder)
-        for step in range(4):
-            uniforms = [((step * 3 + slot) % 10) / 10 + 0.05 for slot in slots]
-            position = 3 + step
-            expected = eager.step(slots, uniforms, max_position=position, top_p=False)
-            actual = graphed.step(slots, uniforms, max_position=position, top_p=False)
-            assert actual[0] == expected[0]
-            assert max(abs(a - b) for a, b in zip(actual[1], expected[1], strict=True)) < 1e-4
+            _admit(decoder, slots, prompts, [0.0, 1.0, 0.7], [1.0, 1.0, 1.0])
+        _assert_steps_match(eager, graphed, slots, steps=4, stride=3, top_p=False)
         assert graphed.graph_count >= 1
     assert graphed._warmed == set(graphed._graphs)  # every key recaptured was warmed once
 
