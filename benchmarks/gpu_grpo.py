@@ -887,12 +887,21 @@ def main() -> None:
             "two_gpus",
         ],
     )
+    parser.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        default=None,
+        help="Python's thread switch interval (sys.setswitchinterval; default: Python's 5 ms). "
+        "shared_gpu runs the engine's step thread beside the trainer's thread in one process",
+    )
     parser.add_argument("--ceil-tflops", type=float, default=784.0)
     parser.add_argument("--ceil-tbps", type=float, default=4.22)
     args = parser.parse_args()
     if args.warmup_steps is None:
         args.warmup_steps = 3 if args.trainer == "tuned" else 1
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1000)
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     build_device = "cuda" if device.type == "cuda" else "cpu"
     folder = build_model_folder(args.size, args.models / f"qwen2-{args.size}", device=build_device)
@@ -900,6 +909,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
         "gpus": torch.cuda.device_count() if device.type == "cuda" else 0,
         "torch": torch.__version__,
+        "switch_interval_ms": sys.getswitchinterval() * 1000,
     }
     emit(args.out, "env", summary)
     peak, bandwidth = args.ceil_tflops, args.ceil_tbps

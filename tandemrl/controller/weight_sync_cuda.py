@@ -177,7 +177,9 @@ class FlatWeightSender:
             raise KeyError(f"weight sync: the model no longer has parameters {missing[:5]}")
         torch._foreach_copy_([self._views[name] for name in names], [state[n] for n in names])
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            # This stream only: an engine sharing the process decodes on its own stream, and a
+            # device-wide wait would also wait for its step in flight.
+            torch.cuda.current_stream(self.device).synchronize()
         self.stages += 1
 
     def ipc_handle(self) -> IpcBuffer:

@@ -291,6 +291,13 @@ class StaticDecoder:
             from torch._dynamo import config as dynamo_config
 
             dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
+            # An engine sharing its process with a compiled trainer (each in its own thread):
+            # while one thread traces a new graph, FX's tracing flag is process-wide, and a
+            # compiled function called from the other thread meanwhile would raise ("Detected
+            # that you are using FX to symbolically trace a dynamo-optimized function"). With
+            # this off, that call runs its eager code instead (same result, slower, once in a
+            # while); compilations themselves stay serialised by dynamo's own lock.
+            dynamo_config.error_on_nested_fx_trace = False
             # Prefill: token counts vary with every admission; the second shape seen compiles
             # one graph with dynamic sizes (torch.compile's automatic dynamic shapes).
             prefill = {"fullgraph": True}

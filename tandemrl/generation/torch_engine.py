@@ -245,10 +245,11 @@ class TorchGenerationEngine(GenerationBackend):
         self._needs_kv_rebuild = False
         # The CUDA device is per thread: the step thread must run on the engine's device, or an
         # engine on cuda:1 captures its graphs on cuda:0's stream (seen on the two-GPU machine).
+        # It also runs on a stream of its own (see _enter_engine_stream).
         self._executor = ThreadPoolExecutor(
             max_workers=1,
             thread_name_prefix="tandemrl-gen",
-            initializer=_bind_cuda_device,
+            initializer=_enter_engine_stream,
             initargs=(self.device,),
         )
 
@@ -866,6 +867,12 @@ class TorchGenerationEngine(GenerationBackend):
         """
         targets, names = self._weight_plan(weights)
         sources = [weights[name] for name in names]
+        if self.device.type == "cuda":
+            # The step thread's stream is its own: weights written on the default stream (by
+            # a trainer in this process) are read once that work is done.
+            torch.cuda.current_stream(self.device).wait_stream(
+                torch.cuda.default_stream(self.device)
+            )
         if all(
             source.device == target.device for source, target in zip(sources, targets, strict=True)
         ):
@@ -921,10 +928,28 @@ class TorchGenerationEngine(GenerationBackend):
 # ---------------------------------------------------------------------- helpers
 
 
-def _bind_cuda_device(device: torch.device) -> None:
-    """Make ``device`` the calling thread's current CUDA device (no-op off CUDA)."""
-    if device.type == "cuda" and device.index is not None:
+# Priority of the step thread's stream (lower is higher; CUDA maps it into the device's range).
+STREAM_PRIORITY = -1
+
+
+def _enter_engine_stream(device: torch.device) -> None:
+    """Make ``device`` the calling (step) thread's CUDA device and give the thread a
+    high-priority stream of its own (no-op off CUDA).
+
+    Every thread of a process starts on the device's legacy default stream, so an engine
+    sharing its process with a trainer (each in its own thread) would queue its decode steps
+    behind the trainer's kernels: the GPU would run one or the other, never both. On its own
+    non-blocking stream a decode step runs beside the trainer's kernels, and the high priority
+    lets its small kernels take SMs ahead of the trainer's. The new stream first waits for the
+    work queued so far (the engine's weights were loaded on the default stream).
+    """
+    if device.type != "cuda":
+        return
+    if device.index is not None:
         torch.cuda.set_device(device)
+    stream = torch.cuda.Stream(device, priority=STREAM_PRIORITY)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    torch.cuda.set_stream(stream)
 
 
 def _resolve(seq: _Sequence) -> None:

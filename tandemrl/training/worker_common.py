@@ -135,7 +135,7 @@ class OptimizerOffload:
                 if torch.is_tensor(value) and key != "step":
                     state[key] = value.to(target, non_blocking=True)
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            torch.cuda.current_stream(self.device).synchronize()
 
     def offload(self) -> None:
         if self.location == "cpu":

@@ -428,6 +428,47 @@ def test_sleep_frees_or_keeps_the_cache_on_cuda(preset_path: Path, free_cache: b
     assert asyncio.run(run(sleep=True)) == asyncio.run(run(sleep=False))
 
 
+@cuda_only
+def test_engine_decodes_on_its_own_stream_beside_default_stream_work(
+    preset_path: Path, tmp_path: Path
+) -> None:
+    """A trainer sharing the engine's process keeps the default stream busy: the engine's
+    steps run on a high-priority stream of their own, give the tokens of an idle GPU, and a
+    weight update written on the default stream is read only once it is written."""
+    prompts = [[5, 6, 7, 14], [9, 14], [4]]
+    requests = [GenerationRequest(f"r{i}", p, 24, temperature=0.0) for i, p in enumerate(prompts)]
+    big = torch.randn(2048, 2048, device="cuda")
+
+    async def run(
+        path: Path, busy: bool = False, weights: dict[str, torch.Tensor] | None = None
+    ) -> list[list[int]]:
+        engine = TorchGenerationEngine(
+            path, device="cuda", dtype="float32", cuda_graphs="on", eos_token_ids=()
+        )
+        stream = await engine._in_executor(torch.cuda.current_stream)
+        assert stream != torch.cuda.default_stream()
+        assert stream.priority < 0
+        if weights is not None:
+            for _ in range(20):  # work queued ahead of the sent tensors on the default stream
+                big @ big
+            await engine.update_weights(1, {name: t.cuda() * 1 for name, t in weights.items()})
+        running = asyncio.ensure_future(engine.generate(requests))
+        while busy and not running.done():
+            big @ big  # on the default stream, as a trainer's kernels are
+            await asyncio.sleep(0)
+        results = await running
+        await engine.shutdown()
+        return [result.token_ids for result in results]
+
+    alone = asyncio.run(run(preset_path))
+    assert asyncio.run(run(preset_path, busy=True)) == alone
+    varied = _varied(load_causal_lm(preset_path, dtype=torch.float32, device="cpu"), seed=5)
+    varied.save_pretrained(tmp_path)
+    updated = asyncio.run(run(preset_path, weights=varied.state_dict()))
+    assert updated == asyncio.run(run(tmp_path))
+    assert updated != alone
+
+
 def test_rebuild_that_finishes_every_row_launches_nothing(preset_path: Path) -> None:
     """A KV rebuild first collects the step in flight; if that ends every row, no launch."""
     engine = TorchGenerationEngine(
