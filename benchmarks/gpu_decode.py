@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_common import EOS_TOKEN_ID, QWEN2_SIZES, build_model_folder, write_result
 
-from tandemrl.generation import decode_attention, decode_sampler, static_decode
+from tandemrl.generation import decode_attention, decode_sampler, static_decode, torch_engine
 from tandemrl.generation.static_decode import StaticDecoder, kv_bytes_per_token
 from tandemrl.generation.torch_engine import TorchGenerationEngine
 from tandemrl.models import load_causal_lm
@@ -372,6 +372,14 @@ def main() -> None:
     )
     parser.add_argument("--engine-modes", nargs="+", default=["auto", "off"])
     parser.add_argument("--engine-pipeline", nargs="+", default=["on", "off"])
+    parser.add_argument(
+        "--engine-streams",
+        nargs="+",
+        default=["own"],
+        choices=["own", "default"],
+        help="the engine's step thread on a high-priority stream of its own (the engine's "
+        "default) or on the device's default stream (torch_engine.OWN_STREAM)",
+    )
     parser.add_argument("--engine-batches", type=int, nargs="+", default=None)
     parser.add_argument("--workload", default="uniform", choices=["uniform", "longtail"])
     parser.add_argument("--admission-batches", type=int, nargs="+", default=[0])
@@ -482,16 +490,18 @@ def main() -> None:
         torch.cuda.empty_cache()
         result["engine"] = []
         engine_variants = [
-            (a, s_, m, p == "on", b)
+            (a, s_, m, p == "on", b, st)
             for a in args.attention
             for s_ in args.sampler
             for m in args.engine_modes
             for p in args.engine_pipeline
             for b in args.admission_batches
+            for st in args.engine_streams
         ]
-        for attention, sampler, mode, pipeline, admission in (
+        for attention, sampler, mode, pipeline, admission, stream in (
             [] if args.skip_engine else engine_variants
         ):
+            torch_engine.OWN_STREAM = stream == "own"
             if mode == "off" and (
                 not pipeline or attention != args.attention[0] or sampler != args.sampler[0]
             ):
@@ -515,7 +525,7 @@ def main() -> None:
                     )
                 except Exception as exc:
                     row = {"rows": rows, "cuda_graphs": mode, "error": repr(exc)[:2000]}
-                row.update(attention=attention, sampler=sampler)
+                row.update(attention=attention, sampler=sampler, stream=stream)
                 result["engine"].append(row)
                 print("engine", json.dumps(row), flush=True)
     write_result(args.out, "decode_graph", result)

@@ -894,6 +894,15 @@ def main() -> None:
         help="Python's thread switch interval (sys.setswitchinterval; default: Python's 5 ms). "
         "shared_gpu runs the engine's step thread beside the trainer's thread in one process",
     )
+    parser.add_argument(
+        "--sm-carveout",
+        type=int,
+        default=None,
+        help="SMs that cuBLASLt products leave free (torch._C._set_sm_carveout_experimental; "
+        "with --blas-library cublaslt, every product): room for the engine's decode kernels "
+        "beside the trainer's persistent matrix products in shared_gpu",
+    )
+    parser.add_argument("--blas-library", choices=["cublas", "cublaslt"], default=None)
     parser.add_argument("--ceil-tflops", type=float, default=784.0)
     parser.add_argument("--ceil-tbps", type=float, default=4.22)
     args = parser.parse_args()
@@ -902,6 +911,10 @@ def main() -> None:
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     if args.switch_interval_ms is not None:
         sys.setswitchinterval(args.switch_interval_ms / 1000)
+    if args.blas_library is not None:
+        torch.backends.cuda.preferred_blas_library(args.blas_library)
+    if args.sm_carveout is not None:
+        torch._C._set_sm_carveout_experimental(args.sm_carveout)
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     build_device = "cuda" if device.type == "cuda" else "cpu"
     folder = build_model_folder(args.size, args.models / f"qwen2-{args.size}", device=build_device)
@@ -910,6 +923,8 @@ def main() -> None:
         "gpus": torch.cuda.device_count() if device.type == "cuda" else 0,
         "torch": torch.__version__,
         "switch_interval_ms": sys.getswitchinterval() * 1000,
+        "sm_carveout": args.sm_carveout,
+        "blas_library": args.blas_library,
     }
     emit(args.out, "env", summary)
     peak, bandwidth = args.ceil_tflops, args.ceil_tbps

@@ -928,7 +928,9 @@ class TorchGenerationEngine(GenerationBackend):
 # ---------------------------------------------------------------------- helpers
 
 
-# Priority of the step thread's stream (lower is higher; CUDA maps it into the device's range).
+# The step thread's own stream (see _enter_engine_stream; False: the default stream, as
+# before) and its priority (lower is higher; CUDA maps it into the device's range).
+OWN_STREAM = True
 STREAM_PRIORITY = -1
 
 
@@ -947,6 +949,8 @@ def _enter_engine_stream(device: torch.device) -> None:
         return
     if device.index is not None:
         torch.cuda.set_device(device)
+    if not OWN_STREAM:
+        return
     stream = torch.cuda.Stream(device, priority=STREAM_PRIORITY)
     stream.wait_stream(torch.cuda.current_stream(device))
     torch.cuda.set_stream(stream)
