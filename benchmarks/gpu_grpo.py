@@ -71,6 +71,7 @@ from tandemrl.controller.weight_sync_cuda import (
     leave_process_group,
 )
 from tandemrl.envs.counting import CountingEnv
+from tandemrl.generation import torch_engine
 from tandemrl.records import GenerationRequest
 from tandemrl.rollout.manager import TextCodec
 from tandemrl.training.policy_worker import PolicyWorker
@@ -903,6 +904,14 @@ def main() -> None:
         "beside the trainer's persistent matrix products in shared_gpu",
     )
     parser.add_argument("--blas-library", choices=["cublas", "cublaslt"], default=None)
+    parser.add_argument(
+        "--engine-stream",
+        choices=["own", "default"],
+        default="own",
+        help="engines in this process (shared_gpu, colocated*) decode on a high-priority stream "
+        "of their own (the engine's default) or on the default stream, the trainer's "
+        "(torch_engine.OWN_STREAM)",
+    )
     parser.add_argument("--ceil-tflops", type=float, default=784.0)
     parser.add_argument("--ceil-tbps", type=float, default=4.22)
     args = parser.parse_args()
@@ -915,6 +924,7 @@ def main() -> None:
         torch.backends.cuda.preferred_blas_library(args.blas_library)
     if args.sm_carveout is not None:
         torch._C._set_sm_carveout_experimental(args.sm_carveout)
+    torch_engine.OWN_STREAM = args.engine_stream == "own"
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     build_device = "cuda" if device.type == "cuda" else "cpu"
     folder = build_model_folder(args.size, args.models / f"qwen2-{args.size}", device=build_device)
@@ -925,6 +935,7 @@ def main() -> None:
         "switch_interval_ms": sys.getswitchinterval() * 1000,
         "sm_carveout": args.sm_carveout,
         "blas_library": args.blas_library,
+        "engine_stream": args.engine_stream,
     }
     emit(args.out, "env", summary)
     peak, bandwidth = args.ceil_tflops, args.ceil_tbps
