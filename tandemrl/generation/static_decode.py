@@ -63,8 +63,9 @@ DOWN_SPLITS = 4
 # before the post-attention norm). 1: one plain product.
 O_SPLITS = 2
 # The same for the fused QKV projection (its partial sums and bias added, in float32, in the
-# kernel that rotates the keys and writes the cache). 1: one plain product with its bias — the
-# default until the split form is timed on a GPU (benchmarks/gpu_decode.py --step-variants).
+# kernel that rotates the keys and writes the cache). 1: one plain product with its bias. On the
+# H200 two splits were slower (0.5B, 256 rows: 1.309 ms a step against 1.299; the split product
+# saved 31 µs and the kernel summing it cost 40: docs/benchmarks.md, session 7).
 QKV_SPLITS = 1
 
 

@@ -5,6 +5,8 @@ State machine (one decode step at a time, under ``_step_lock``):
 - ``generate`` puts its requests on a queue and waits for their futures.
 - The background decode loop (an asyncio task) runs one *step* at a time in a one-thread
   executor, so the event loop keeps accepting requests, weight updates and aborts meanwhile.
+  On CUDA that thread queues its work on a high-priority stream of its own, not on the
+  default stream that a trainer in the same process uses (``_enter_engine_stream``).
   A step (1) rebuilds the KV cache if a weight update or a stand-down asked for it,
   (2) admits queued requests up to ``max_batch_size`` by prefilling their prompts and merging
   their caches into the running batch (grouped: see ``admission_batch``), (3) feeds every running sequence's last token through
