@@ -22,7 +22,9 @@ Parts (``--part``, several allowed; each prints ``RESULT {json}`` and writes ``<
   ``colocated`` frees the engine's cache and graphs for every train step;
   ``colocated_kept`` and ``two_processes_paused`` stand the engine down without freeing
   (``policy.generation.colocated.free_cache_on_sleep=false``), in the trainer's process or in
-  its own: the GPU then never runs decode and training at once.
+  its own: the GPU then never runs decode and training at once. ``shared_gpu`` runs both at
+  once: the engine's step thread decodes on a high-priority stream of its own beside the
+  trainer's thread (``--engine-stream default`` puts it back on the trainer's stream).
 
     python benchmarks/gpu_grpo.py --part ceilings decode train sync grpo --out runs/gpu
     python benchmarks/gpu_grpo.py --size tiny --part decode train sync grpo   # CPU smoke
