@@ -69,6 +69,21 @@ O_SPLITS = 2
 QKV_SPLITS = 1
 
 
+def allow_compiled_calls_during_traces() -> None:
+    """Let a compiled function run (eagerly) while another thread of the process traces.
+
+    An engine sharing its process with a compiled trainer, each in its own thread: while one
+    thread traces a new graph, FX's tracing flag is process-wide, and a compiled function called
+    from the other thread meanwhile raises ("Detected that you are using FX to symbolically
+    trace a dynamo-optimized function"). With dynamo's ``error_on_nested_fx_trace`` off that call
+    runs its eager code instead (same result, slower, once in a while); compilations themselves
+    stay serialised by dynamo's own lock.
+    """
+    from torch._dynamo import config as dynamo_config
+
+    dynamo_config.error_on_nested_fx_trace = False
+
+
 def unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why ``model`` cannot use the static decode step, or None when it can."""
     config = getattr(model, "config", None)
@@ -292,13 +307,7 @@ class StaticDecoder:
             from torch._dynamo import config as dynamo_config
 
             dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
-            # An engine sharing its process with a compiled trainer (each in its own thread):
-            # while one thread traces a new graph, FX's tracing flag is process-wide, and a
-            # compiled function called from the other thread meanwhile would raise ("Detected
-            # that you are using FX to symbolically trace a dynamo-optimized function"). With
-            # this off, that call runs its eager code instead (same result, slower, once in a
-            # while); compilations themselves stay serialised by dynamo's own lock.
-            dynamo_config.error_on_nested_fx_trace = False
+            allow_compiled_calls_during_traces()
             # Prefill: token counts vary with every admission; the second shape seen compiles
             # one graph with dynamic sizes (torch.compile's automatic dynamic shapes).
             prefill = {"fullgraph": True}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 
 import pytest
@@ -467,6 +468,37 @@ def test_engine_decodes_on_its_own_stream_beside_default_stream_work(
     updated = asyncio.run(run(preset_path, weights=varied.state_dict()))
     assert updated == asyncio.run(run(tmp_path))
     assert updated != alone
+
+
+def test_compiled_call_during_another_threads_trace_runs_eagerly() -> None:
+    """An engine and a compiled trainer in one process: while one thread traces (FX's flag is
+    process-wide), a compiled function called from another thread raised; once the decoder
+    allows it, the call runs its eager code and returns the same result."""
+    compiled = torch.compile(lambda x: x * 2 + 1, backend="eager")
+
+    def call_while_another_thread_traces() -> torch.Tensor:
+        tracing, release = threading.Event(), threading.Event()
+
+        class Blocking(torch.nn.Module):
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                tracing.set()
+                release.wait(30)
+                return x + 1
+
+        tracer = threading.Thread(target=torch.fx.symbolic_trace, args=(Blocking(),))
+        tracer.start()
+        try:
+            assert tracing.wait(30)
+            return compiled(torch.ones(3))
+        finally:
+            release.set()
+            tracer.join()
+
+    with torch._dynamo.config.patch(error_on_nested_fx_trace=True):
+        with pytest.raises(RuntimeError, match="symbolically trace a dynamo-optimized"):
+            call_while_another_thread_traces()
+        static_decode.allow_compiled_calls_during_traces()
+        assert torch.equal(call_while_another_thread_traces(), torch.full((3,), 3.0))
 
 
 def test_rebuild_that_finishes_every_row_launches_nothing(preset_path: Path) -> None:
