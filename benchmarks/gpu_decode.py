@@ -152,9 +152,8 @@ def bench_graph(
     step_s = start.elapsed_time(end) / 1e3 / steps
     logprobs = decoder.out[:rows, 1]
     assert bool(torch.isfinite(logprobs).all()), "non-finite logprobs"
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     mean_context = context + steps / 2
-    floor_s = (weight_bytes + rows * mean_context * kv_bytes_per_token(model)) / (bandwidth * 1e12)
+    floor_s = floor_seconds(model, rows, mean_context, bandwidth)
     result = {
         "rows": rows,
         "compile": compile_step,
@@ -286,13 +285,19 @@ async def bench_engine(
         "graph_captures": engine.stats.graph_captures,
     }
     if bandwidth and workload == "uniform":
-        weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-        kv_bytes = rows * (prompt_len + steps / 2) * kv_bytes_per_token(engine.model)
-        floor_ms = 1e3 * (weight_bytes + kv_bytes) / (bandwidth * 1e12)
+        floor_ms = 1e3 * floor_seconds(engine.model, rows, prompt_len + steps / 2, bandwidth)
         out["steady_tok_s"] = rows * 1e3 / out["steady_ms_per_step"]
         out["steady_floor_fraction"] = floor_ms / out["steady_ms_per_step"]
     await engine.shutdown()
     return out
+
+
+def floor_seconds(model: Any, rows: int, mean_context: float, bandwidth: float) -> float:
+    """The bandwidth floor of one decode step: the weights and ``rows`` caches of
+    ``mean_context`` tokens read once at ``bandwidth`` TB/s."""
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv_bytes = rows * mean_context * kv_bytes_per_token(model)
+    return (weight_bytes + kv_bytes) / (bandwidth * 1e12)
 
 
 def steady_interval(ends: list[tuple[float, bool]]) -> float:
@@ -346,6 +351,17 @@ def profile_prefill(
     del decoder
     torch.cuda.empty_cache()
     return result
+
+
+def attention_launch() -> tuple[int, int, int, int]:
+    """``decode_attention``'s launch switches: (BLOCK_N, NUM_WARPS, NUM_STAGES, SPLITS)."""
+    a = decode_attention
+    return (a.BLOCK_N, a.NUM_WARPS, a.NUM_STAGES, a.SPLITS)
+
+
+def set_attention_launch(shape: tuple[int, ...]) -> None:
+    a = decode_attention
+    a.BLOCK_N, a.NUM_WARPS, a.NUM_STAGES, a.SPLITS = shape
 
 
 def set_step_variant(variant: str) -> None:
@@ -420,12 +436,7 @@ def main() -> None:
             ]
             print("prefill", json.dumps(result["prefill"]), flush=True)
         result["graph"] = []
-        launch = (
-            decode_attention.BLOCK_N,
-            decode_attention.NUM_WARPS,
-            decode_attention.NUM_STAGES,
-            decode_attention.SPLITS,
-        )
+        launch = attention_launch()
         configs = [(*(int(x) for x in c.split(":")), 1)[:4] for c in args.attention_configs or []]
         defaults = (
             f"{int(static_decode.ROPE_IN_ATTENTION)}:{static_decode.DOWN_SPLITS}"
@@ -446,12 +457,7 @@ def main() -> None:
             set_step_variant(variant)
             decode_attention.USE_KERNEL = attention == "kernel"
             decode_sampler.USE_KERNEL = sampler == "kernel"
-            (
-                decode_attention.BLOCK_N,
-                decode_attention.NUM_WARPS,
-                decode_attention.NUM_STAGES,
-                decode_attention.SPLITS,
-            ) = shape
+            set_attention_launch(shape)
             for rows in args.batches:
                 started = time.perf_counter()
                 try:
@@ -479,12 +485,7 @@ def main() -> None:
                 print("graph", json.dumps(summary), flush=True)
                 print("  top", json.dumps(row.get("top", [])[:25]), flush=True)
                 torch._dynamo.reset()  # each variant compiles afresh (and frees its graphs)
-        (
-            decode_attention.BLOCK_N,
-            decode_attention.NUM_WARPS,
-            decode_attention.NUM_STAGES,
-            decode_attention.SPLITS,
-        ) = launch
+        set_attention_launch(launch)
         set_step_variant(defaults)
         del model
         torch.cuda.empty_cache()

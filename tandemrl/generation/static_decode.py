@@ -69,6 +69,12 @@ O_SPLITS = 2
 QKV_SPLITS = 1
 
 
+def _splits(requested: int, features: int) -> int:
+    """``requested`` partial products over ``features`` input features, or 1 (one plain
+    product) when they do not divide evenly."""
+    return requested if features % max(requested, 1) == 0 else 1
+
+
 def allow_compiled_calls_during_traces() -> None:
     """Let a compiled function run (eagerly) while another thread of the process traces.
 
@@ -284,11 +290,9 @@ class StaticDecoder:
         self.kv_row_offsets = kv_rows * max_len
         self.rope_in_attention = ROPE_IN_ATTENTION
         intermediate = int(self.layers[0].down_weight.shape[1])
-        self.down_splits = DOWN_SPLITS if intermediate % max(DOWN_SPLITS, 1) == 0 else 1
-        attention_width = self.heads * self.head_dim
-        self.o_splits = O_SPLITS if attention_width % max(O_SPLITS, 1) == 0 else 1
-        hidden_size = int(config.hidden_size)
-        self.qkv_splits = QKV_SPLITS if hidden_size % max(QKV_SPLITS, 1) == 0 else 1
+        self.down_splits = _splits(DOWN_SPLITS, intermediate)
+        self.o_splits = _splits(O_SPLITS, self.heads * self.head_dim)
+        self.qkv_splits = _splits(QKV_SPLITS, int(config.hidden_size))
         self.no_delta = torch.zeros(slots, config.hidden_size, dtype=self.dtype, **on)
 
         self._attention_in: Callable[..., Any] = self._attention_in_eager

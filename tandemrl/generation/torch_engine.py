@@ -869,12 +869,11 @@ class TorchGenerationEngine(GenerationBackend):
         """
         targets, names = self._weight_plan(weights)
         sources = [weights[name] for name in names]
-        if self.device.type == "cuda":
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        if stream is not None:
             # The step thread's stream is its own: weights written on the default stream (by
             # a trainer in this process) are read once that work is done.
-            torch.cuda.current_stream(self.device).wait_stream(
-                torch.cuda.default_stream(self.device)
-            )
+            stream.wait_stream(torch.cuda.default_stream(self.device))
         if all(
             source.device == target.device for source, target in zip(sources, targets, strict=True)
         ):
@@ -882,8 +881,8 @@ class TorchGenerationEngine(GenerationBackend):
         else:  # a host round trip: CPU tensors into a CUDA model
             for target, source in zip(targets, sources, strict=True):
                 target.copy_(source)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+        if stream is not None:
+            stream.synchronize()
 
     def _weight_plan(
         self, weights: Mapping[str, torch.Tensor]
