@@ -138,6 +138,7 @@ class EngineHost(WeightReceiverHost):
         cuda_graphs: str = "auto",
         max_seq_len: int | None = None,
         free_cache_on_sleep: bool = True,
+        sm_share: Any = None,
     ) -> None:
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))
@@ -152,6 +153,7 @@ class EngineHost(WeightReceiverHost):
             cuda_graphs=cuda_graphs,
             max_seq_len=max_seq_len,
             free_cache_on_sleep=free_cache_on_sleep,
+            sm_share=sm_share,
         )
         self.lengths = lengths
         self.step_busy_s = 0.0

@@ -25,6 +25,9 @@ Parts (``--part``, several allowed; each prints ``RESULT {json}`` and writes ``<
   its own: the GPU then never runs decode and training at once. ``shared_gpu`` runs both at
   once: the engine's step thread decodes on a high-priority stream of its own beside the
   trainer's thread (``--engine-stream default`` puts it back on the trainer's stream).
+  ``shared_gpu_split`` is ``shared_gpu`` with the SMs split between the two
+  (``tandemrl.sm_partition``): the engine decodes on ``--engine-sms`` of them, the trainer runs
+  on the rest, so neither waits for the other's blocks.
 
     python benchmarks/gpu_grpo.py --part ceilings decode train sync grpo --out runs/gpu
     python benchmarks/gpu_grpo.py --size tiny --part decode train sync grpo   # CPU smoke
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import inspect
 import itertools
 import json
@@ -76,6 +80,7 @@ from tandemrl.envs.counting import CountingEnv
 from tandemrl.generation import torch_engine
 from tandemrl.records import GenerationRequest
 from tandemrl.rollout.manager import TextCodec
+from tandemrl.sm_partition import SmShare, split_sms
 from tandemrl.training.policy_worker import PolicyWorker
 
 PROMPT_PREFIX_TOKENS = 60
@@ -608,6 +613,12 @@ async def engine_stats(engines: list[Any]) -> dict[str, float]:
     return total
 
 
+@functools.cache
+def sm_split(device: torch.device, engine_sms: int) -> tuple[SmShare, SmShare]:
+    """One split per process and count (green contexts live as long as the process)."""
+    return split_sms(device, engine_sms)
+
+
 def run_grpo(
     folder: Path, mode: str, placement: str, args: argparse.Namespace, peak: float
 ) -> dict:
@@ -623,6 +634,11 @@ def run_grpo(
         torch.cuda.set_device(trainer_device)
     lengths = LongTail(median=args.length_median, sigma=args.length_sigma, cap=args.length_cap)
     worker = PolicyWorker(cfg.policy, cfg.loss_fn, model_path=folder)
+    engine_share = None
+    if placement == "shared_gpu_split":
+        engine_share, worker._executor.sm_share = sm_split(trainer_device, args.engine_sms)
+        if args.split_engine == "whole":
+            engine_share = None  # the engine decodes on every SM, the trainer on its share
     trainer = TimedTrainer(worker)
     sender = FlatWeightSender(worker.model, torch.bfloat16)
     engines: list[Any] = []
@@ -635,6 +651,8 @@ def run_grpo(
         # at every colocated wake.
         engine_kwargs["max_seq_len"] = engine_max_seq_len(args) or None
         engine_kwargs["free_cache_on_sleep"] = cfg.policy.generation.colocated.free_cache_on_sleep
+        if engine_share is not None:
+            engine_kwargs["sm_share"] = engine_share
         if remote_engine:
             remotes.append(RemoteObject(make_engine_host, engine_kwargs))
             engines.append(remotes[-1])
@@ -885,6 +903,7 @@ def main() -> None:
             "colocated",
             "colocated_kept",
             "shared_gpu",
+            "shared_gpu_split",
             "two_processes",
             "two_processes_paused",
             "two_gpus",
@@ -907,6 +926,27 @@ def main() -> None:
     )
     parser.add_argument("--blas-library", choices=["cublas", "cublaslt"], default=None)
     parser.add_argument(
+        "--engine-sms",
+        type=int,
+        default=40,
+        help="shared_gpu_split: SMs for the engine (the driver rounds up to its group size); "
+        "the trainer gets the rest",
+    )
+    parser.add_argument(
+        "--step-burst",
+        type=int,
+        default=None,
+        help="decode steps per call into an in-process engine's step thread "
+        "(torch_engine.STEP_BURST_STEPS; 1: one event-loop round trip per step)",
+    )
+    parser.add_argument(
+        "--split-engine",
+        choices=["share", "whole"],
+        default="share",
+        help="shared_gpu_split: the engine decodes on its share of the SMs, or on the whole "
+        "GPU (its own high-priority stream) while only the trainer is confined to its share",
+    )
+    parser.add_argument(
         "--engine-stream",
         choices=["own", "default"],
         default="own",
@@ -927,6 +967,8 @@ def main() -> None:
     if args.sm_carveout is not None:
         torch._C._set_sm_carveout_experimental(args.sm_carveout)
     torch_engine.OWN_STREAM = args.engine_stream == "own"
+    if args.step_burst is not None:
+        torch_engine.STEP_BURST_STEPS = args.step_burst
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     build_device = "cuda" if device.type == "cuda" else "cpu"
     folder = build_model_folder(args.size, args.models / f"qwen2-{args.size}", device=build_device)
@@ -938,6 +980,7 @@ def main() -> None:
         "sm_carveout": args.sm_carveout,
         "blas_library": args.blas_library,
         "engine_stream": args.engine_stream,
+        "step_burst": torch_engine.STEP_BURST_STEPS,
     }
     emit(args.out, "env", summary)
     peak, bandwidth = args.ceil_tflops, args.ceil_tbps

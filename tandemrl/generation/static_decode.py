@@ -325,6 +325,9 @@ class StaticDecoder:
             self._vocab_blocks = torch.compile(self._vocab_blocks_eager, fullgraph=True)
             self._write_back = torch.compile(self._write_back_eager, fullgraph=True)
         self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
+        # The stream graphs are captured on (None: torch's own side stream). An engine on a
+        # share of the SMs (tandemrl.sm_partition) captures on a stream of that share.
+        self.capture_stream: torch.cuda.Stream | None = None
         self._pool: Any = torch.cuda.graph_pool_handle() if use_graphs else None
         # Keys whose step has run (warm-up) at least once: release() keeps this set.
         self._warmed: set[tuple[int, int, bool]] = set()
@@ -530,7 +533,12 @@ class StaticDecoder:
             self._warmed.add(key)
         graph = torch.cuda.CUDAGraph()
         # thread_local: another thread (a trainer sharing the GPU) may use CUDA meanwhile.
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(
+            graph,
+            pool=self._pool,
+            stream=self.capture_stream,
+            capture_error_mode="thread_local",
+        ):
             self._decode(*key)
         restore()
         self._graphs[key] = graph

@@ -70,12 +70,13 @@ engine's generator (``seed`` of the constructor).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import logging
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,6 +95,7 @@ from tandemrl.generation.static_decode import (
 )
 from tandemrl.models import load_causal_lm, resolve_device
 from tandemrl.records import FinishReason, GenerationRequest, GenerationResult
+from tandemrl.sm_partition import SmShare
 
 logger = logging.getLogger(__name__)
 
@@ -181,6 +183,7 @@ class TorchGenerationEngine(GenerationBackend):
         pipeline_steps: bool | None = None,
         admission_batch: int | None = None,
         free_cache_on_sleep: bool = True,
+        sm_share: SmShare | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -233,6 +236,9 @@ class TorchGenerationEngine(GenerationBackend):
         self._awake = asyncio.Event()
         self._awake.set()
         self._step_lock = asyncio.Lock()
+        # Callers waiting for the step lock (update_weights, sleep, aborts): a burst of steps
+        # ends at the next step boundary when this is non-zero (see _step_burst).
+        self._lock_waiters = 0
         self._loop_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self._closed = False
@@ -247,12 +253,14 @@ class TorchGenerationEngine(GenerationBackend):
         self._needs_kv_rebuild = False
         # The CUDA device is per thread: the step thread must run on the engine's device, or an
         # engine on cuda:1 captures its graphs on cuda:0's stream (seen on the two-GPU machine).
-        # It also runs on a stream of its own (see _enter_engine_stream).
+        # It also runs on a stream of its own (see _enter_engine_stream): ``sm_share``'s,
+        # whose kernels run on that share's SMs only (tandemrl.sm_partition), if given.
+        self.sm_share = sm_share
         self._executor = ThreadPoolExecutor(
             max_workers=1,
             thread_name_prefix="tandemrl-gen",
             initializer=_enter_engine_stream,
-            initargs=(self.device,),
+            initargs=(self.device, sm_share),
         )
 
         # Static path: the decoder (cache + graphs) is built at the first step and dropped by
@@ -313,7 +321,7 @@ class TorchGenerationEngine(GenerationBackend):
                 f"torch engine update_weights expects a state dict (mapping of name to tensor), "
                 f"got {type(weights).__name__}"
             )
-        async with self._step_lock:
+        async with self._between_steps():
             await self._in_executor(self._load_state_dict, weights)
             self._version = version
             self.stats.weight_updates += 1
@@ -332,7 +340,7 @@ class TorchGenerationEngine(GenerationBackend):
         await self._abort_where(lambda seq: seq.request.request_id in wanted)
 
     async def sleep(self) -> None:
-        async with self._step_lock:
+        async with self._between_steps():
             if self._asleep_since is not None:
                 return
             self._asleep_since = time.monotonic()
@@ -434,6 +442,19 @@ class TorchGenerationEngine(GenerationBackend):
     async def _in_executor(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
+    @contextlib.asynccontextmanager
+    async def _between_steps(self) -> AsyncIterator[None]:
+        """The step lock, asked for so that a running burst of steps ends at its next step."""
+        self._lock_waiters += 1
+        try:
+            await self._step_lock.acquire()
+        finally:
+            self._lock_waiters -= 1
+        try:
+            yield
+        finally:
+            self._step_lock.release()
+
     async def _decode_loop(self) -> None:
         while True:
             await self._work.wait()
@@ -449,19 +470,35 @@ class TorchGenerationEngine(GenerationBackend):
                     self._work.clear()
                     continue
                 try:
-                    finished = await self._in_executor(self._step, admit)
+                    finished = await self._in_executor(
+                        self._step_burst, admit, asyncio.get_running_loop()
+                    )
                 except Exception as exc:  # a failed step leaves the batch unusable
                     logger.exception("decode step failed; failing %d requests", len(self._running))
                     failed = self._running + [seq for seq in admit if seq not in self._running]
                     self._reset_batch()
                     for seq in failed:
-                        if not seq.future.done():
+                        if seq.future.done():
+                            continue
+                        if seq.finish_reason is not None:  # finished by an earlier step
+                            _resolve(seq)
+                        else:
                             seq.future.set_exception(
                                 GenerationError(f"decode step failed: {exc!r}")
                             )
                     continue
             for seq in finished:
                 _resolve(seq)
+
+    def _admission_ready(self) -> bool:
+        """Would ``_pop_admissible`` admit something now? (Read from the step thread: the
+        queue's length is one atomic read; a stale answer only moves an admission one step.)"""
+        queued = len(self._queue)
+        if not queued:
+            return False
+        limit = self.slots if self.static_decode else self.max_batch_size
+        free = limit - len(self._running)
+        return free > 0 and (free >= self.admission_batch or free >= queued)
 
     def _pop_admissible(self) -> list[_Sequence]:
         admit: list[_Sequence] = []
@@ -483,7 +520,7 @@ class TorchGenerationEngine(GenerationBackend):
         queued = [seq for seq in self._queue if predicate(seq)]
         if queued:
             self._queue = deque(seq for seq in self._queue if not predicate(seq))
-        async with self._step_lock:
+        async with self._between_steps():
             rows = [row for row, seq in enumerate(self._running) if predicate(seq)]
             running = await self._in_executor(self._drop_rows, rows) if rows else []
         for seq in [*queued, *running]:
@@ -491,6 +528,37 @@ class TorchGenerationEngine(GenerationBackend):
             _resolve(seq)
 
     # ------------------------------------------------------------------ compute side (one thread)
+
+    def _step_burst(
+        self, admit: list[_Sequence], loop: asyncio.AbstractEventLoop
+    ) -> list[_Sequence]:
+        """Run decode steps back to back in the step thread, up to ``STEP_BURST_STEPS`` steps
+        or ``STEP_BURST_SECONDS``, and return the last step's finished sequences.
+
+        One executor call per step made every step wait for the event loop between two steps,
+        and in a busy process (a controller and a trainer beside the engine) the loop answers
+        late: on the H200 an engine sharing the trainer's process spent a fifth of its time
+        between steps. The burst ends at the first step boundary where the loop has work for
+        the step thread: queued requests that ``_pop_admissible`` would admit, a caller waiting
+        for the step lock (weights, sleep, aborts), no running rows. Sequences that finish
+        within the burst are resolved on the loop as they finish (``call_soon_threadsafe``),
+        not at its end.
+        """
+        finished = self._step(admit)
+        deadline = time.perf_counter() + STEP_BURST_SECONDS
+        for _ in range(STEP_BURST_STEPS - 1):
+            if (
+                not self._running
+                or self._lock_waiters
+                or self._closed
+                or self._admission_ready()
+                or time.perf_counter() >= deadline
+            ):
+                break
+            for seq in finished:
+                loop.call_soon_threadsafe(_resolve, seq)
+            finished = self._step([])
+        return finished
 
     @torch.inference_mode()
     def _step(self, admit: list[_Sequence]) -> list[_Sequence]:
@@ -646,6 +714,8 @@ class TorchGenerationEngine(GenerationBackend):
                 use_graphs=self._use_graphs,
                 compile_step=self._compile_step,
             )
+            if self.sm_share is not None:
+                self._decoder.capture_stream = self.sm_share.capture_stream
         if not self._decoder.allocated:
             self._decoder.allocate()
             self._needs_kv_rebuild = bool(self._running)
@@ -933,9 +1003,13 @@ class TorchGenerationEngine(GenerationBackend):
 # before) and its priority (lower is higher; CUDA maps it into the device's range).
 OWN_STREAM = True
 STREAM_PRIORITY = -1
+# At most this many decode steps, and about this long, per call into the step thread
+# (_step_burst); 1 gives one event-loop round trip per step, as before.
+STEP_BURST_STEPS = 64
+STEP_BURST_SECONDS = 0.02
 
 
-def _enter_engine_stream(device: torch.device) -> None:
+def _enter_engine_stream(device: torch.device, sm_share: SmShare | None = None) -> None:
     """Make ``device`` the calling (step) thread's CUDA device and give the thread a
     high-priority stream of its own (no-op off CUDA).
 
@@ -946,15 +1020,20 @@ def _enter_engine_stream(device: torch.device) -> None:
     puts its small kernels first in line for the SMs that the trainer's blocks free (it still
     waits for those: on the H200 a 0.5B decode step took 1.8 ms beside training against 1.0 ms
     alone, docs/benchmarks.md session 7). The new stream first waits for the work queued so far
-    (the engine's weights were loaded on the default stream).
+    (the engine's weights were loaded on the default stream). With ``sm_share`` the stream is
+    the share's: its kernels run on the share's SMs only, which a trainer on the other share
+    of the split never takes (``tandemrl.sm_partition``).
     """
     if device.type != "cuda":
         return
     if device.index is not None:
         torch.cuda.set_device(device)
-    if not OWN_STREAM:
+    if sm_share is not None:
+        stream = sm_share.stream
+    elif not OWN_STREAM:
         return
-    stream = torch.cuda.Stream(device, priority=STREAM_PRIORITY)
+    else:
+        stream = torch.cuda.Stream(device, priority=STREAM_PRIORITY)
     stream.wait_stream(torch.cuda.current_stream(device))
     torch.cuda.set_stream(stream)
 

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import torch
 
 from tandemrl.config.models import OptimizerConfig, SchedulerConfig
+from tandemrl.sm_partition import SmShare
 from tandemrl.training.losses import AllMaskedStepError
 
 T = TypeVar("T")
@@ -39,14 +40,31 @@ class TrainStepError(RuntimeError):
 
 
 class SerialExecutor:
-    """Runs blocking calls in a thread, one at a time (a lock guards the model)."""
+    """Runs blocking calls in a thread, one at a time (a lock guards the model).
 
-    def __init__(self) -> None:
+    With ``sm_share`` (``tandemrl.sm_partition``) each call queues its CUDA work on the share's
+    stream, so the kernels run on the share's SMs only, and waits for that stream before it
+    returns: what the call wrote is then ready for every stream of the process (an engine
+    beside the trainer reads the weights it is sent on a stream of its own).
+    """
+
+    def __init__(self, sm_share: SmShare | None = None) -> None:
         self._lock = threading.Lock()
+        self.sm_share = sm_share
 
     def _locked(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         with self._lock:
-            return fn(*args, **kwargs)
+            share = self.sm_share
+            if share is None:
+                return fn(*args, **kwargs)
+            previous = torch.cuda.current_stream(share.stream.device)
+            share.stream.wait_stream(previous)
+            torch.cuda.set_stream(share.stream)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                share.stream.synchronize()
+                torch.cuda.set_stream(previous)
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         return await asyncio.to_thread(self._locked, fn, *args, **kwargs)
