@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -284,6 +285,11 @@ class StaticDecoder:
         self._result_staging = [
             torch.zeros(slots, 2, dtype=torch.float64, pin_memory=pinned) for _ in range(2)
         ]
+        # The host side of a step goes through numpy views of those buffers and two reused
+        # events: every torch call lets go of the GIL, and beside a trainer thread of the same
+        # process each one took tens of microseconds to get it back (docs/benchmarks.md).
+        self._uniform_host = [staging.numpy() for staging in self._uniform_staging]
+        self._done_events = [torch.cuda.Event() if pinned else None for _ in range(2)]
         self._launches = 0
         # Offsets of (keys|values, slot, kv head) rows in one layer's flattened cache.
         kv_rows = torch.arange(2 * slots * self.kv_heads, **on).view(2, slots, self.kv_heads)
@@ -474,10 +480,11 @@ class StaticDecoder:
         # Two host buffers, alternating: a launch never overwrites what the one before it
         # still has to read (the engine keeps at most one step in flight).
         self._launches += 1
-        drawn = self._uniform_staging[self._launches % 2]
+        parity = self._launches % 2
+        drawn = self._uniform_host[parity]
         drawn[:rows] = 0.5
-        drawn[list(slots)] = torch.tensor(list(uniforms), dtype=torch.float32)
-        self.uniforms[:rows].copy_(drawn[:rows], non_blocking=True)
+        drawn[list(slots)] = uniforms
+        self.uniforms[:rows].copy_(self._uniform_staging[parity][:rows], non_blocking=True)
         key = (rows, length, top_p)
         if self.use_graphs:
             graph = self._graphs.get(key)
@@ -489,11 +496,10 @@ class StaticDecoder:
         # Both sides contiguous: a strided device-to-host copy would go through an unpinned
         # temporary, and such a copy waits for the device (the step just launched included),
         # which took the step in flight away whenever the rows bucket was below the slots.
-        results = self._result_staging[self._launches % 2][:rows]
+        results = self._result_staging[parity][:rows]
         results.copy_(self.out[:rows], non_blocking=True)
-        done = None
-        if self.device.type == "cuda":
-            done = torch.cuda.Event()
+        done = self._done_events[parity]
+        if done is not None:
             done.record()
         return LaunchedStep(list(slots), results, done)
 
@@ -502,11 +508,8 @@ class StaticDecoder:
         """Wait for a launched step; its tokens and logprobs in the order of its slots."""
         if launched.done is not None:
             launched.done.synchronize()
-        tokens = launched.results[:, 0].long().tolist()
-        logprobs = launched.results[:, 1].tolist()
-        return [tokens[slot] for slot in launched.slots], [
-            logprobs[slot] for slot in launched.slots
-        ]
+        values = launched.results.numpy()[launched.slots]
+        return values[:, 0].astype(np.int64).tolist(), values[:, 1].tolist()
 
     # ------------------------------------------------------------------ the step
 
