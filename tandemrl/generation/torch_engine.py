@@ -3,10 +3,15 @@
 State machine (one decode step at a time, under ``_step_lock``):
 
 - ``generate`` puts its requests on a queue and waits for their futures.
-- The background decode loop (an asyncio task) runs one *step* at a time in a one-thread
-  executor, so the event loop keeps accepting requests, weight updates and aborts meanwhile.
-  On CUDA that thread queues its work on a high-priority stream of its own, not on the
-  default stream that a trainer in the same process uses (``_enter_engine_stream``).
+- The background decode loop (an asyncio task) runs *steps* in a one-thread executor, so the
+  event loop keeps accepting requests, weight updates and aborts meanwhile. Each call runs a
+  burst of steps back to back (``_step_burst``: up to ``STEP_BURST_STEPS`` or
+  ``STEP_BURST_SECONDS``) that ends at the first step boundary where the loop has work for the
+  thread (requests to admit, a caller waiting for the step lock); sequences that finish inside
+  a burst are resolved on the loop at once. On CUDA that thread queues its work on a
+  high-priority stream of its own, not on the default stream that a trainer in the same
+  process uses (``_enter_engine_stream``), or on the stream of an SM share
+  (``tandemrl.sm_partition``) when one is given.
   A step (1) rebuilds the KV cache if a weight update or a stand-down asked for it,
   (2) admits queued requests up to ``max_batch_size`` by prefilling their prompts and merging
   their caches into the running batch (grouped: see ``admission_batch``), (3) feeds every running sequence's last token through
