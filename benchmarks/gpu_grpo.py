@@ -933,13 +933,6 @@ def main() -> None:
         "the trainer gets the rest",
     )
     parser.add_argument(
-        "--step-burst",
-        type=int,
-        default=None,
-        help="decode steps per call into an in-process engine's step thread "
-        "(torch_engine.STEP_BURST_STEPS; 1: one event-loop round trip per step)",
-    )
-    parser.add_argument(
         "--split-engine",
         choices=["share", "whole"],
         default="share",
@@ -967,8 +960,6 @@ def main() -> None:
     if args.sm_carveout is not None:
         torch._C._set_sm_carveout_experimental(args.sm_carveout)
     torch_engine.OWN_STREAM = args.engine_stream == "own"
-    if args.step_burst is not None:
-        torch_engine.STEP_BURST_STEPS = args.step_burst
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     build_device = "cuda" if device.type == "cuda" else "cpu"
     folder = build_model_folder(args.size, args.models / f"qwen2-{args.size}", device=build_device)
@@ -980,7 +971,6 @@ def main() -> None:
         "sm_carveout": args.sm_carveout,
         "blas_library": args.blas_library,
         "engine_stream": args.engine_stream,
-        "step_burst": torch_engine.STEP_BURST_STEPS,
     }
     emit(args.out, "env", summary)
     peak, bandwidth = args.ceil_tflops, args.ceil_tbps

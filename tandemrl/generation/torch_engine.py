@@ -3,15 +3,11 @@
 State machine (one decode step at a time, under ``_step_lock``):
 
 - ``generate`` puts its requests on a queue and waits for their futures.
-- The background decode loop (an asyncio task) runs *steps* in a one-thread executor, so the
-  event loop keeps accepting requests, weight updates and aborts meanwhile. Each call runs a
-  burst of steps back to back (``_step_burst``: up to ``STEP_BURST_STEPS`` or
-  ``STEP_BURST_SECONDS``) that ends at the first step boundary where the loop has work for the
-  thread (requests to admit, a caller waiting for the step lock); sequences that finish inside
-  a burst are resolved on the loop at once. On CUDA that thread queues its work on a
-  high-priority stream of its own, not on the default stream that a trainer in the same
-  process uses (``_enter_engine_stream``), or on the stream of an SM share
-  (``tandemrl.sm_partition``) when one is given.
+- The background decode loop (an asyncio task) runs one *step* at a time in a one-thread
+  executor, so the event loop keeps accepting requests, weight updates and aborts meanwhile.
+  On CUDA that thread queues its work on a high-priority stream of its own, not on the
+  default stream that a trainer in the same process uses (``_enter_engine_stream``), or on
+  the stream of an SM share (``tandemrl.sm_partition``) when one is given.
   A step (1) rebuilds the KV cache if a weight update or a stand-down asked for it,
   (2) admits queued requests up to ``max_batch_size`` by prefilling their prompts and merging
   their caches into the running batch (grouped: see ``admission_batch``), (3) feeds every running sequence's last token through
@@ -75,13 +71,12 @@ engine's generator (``seed`` of the constructor).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import heapq
 import logging
 import random
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -241,9 +236,6 @@ class TorchGenerationEngine(GenerationBackend):
         self._awake = asyncio.Event()
         self._awake.set()
         self._step_lock = asyncio.Lock()
-        # Callers waiting for the step lock (update_weights, sleep, aborts): a burst of steps
-        # ends at the next step boundary when this is non-zero (see _step_burst).
-        self._lock_waiters = 0
         self._loop_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self._closed = False
@@ -326,7 +318,7 @@ class TorchGenerationEngine(GenerationBackend):
                 f"torch engine update_weights expects a state dict (mapping of name to tensor), "
                 f"got {type(weights).__name__}"
             )
-        async with self._between_steps():
+        async with self._step_lock:
             await self._in_executor(self._load_state_dict, weights)
             self._version = version
             self.stats.weight_updates += 1
@@ -345,7 +337,7 @@ class TorchGenerationEngine(GenerationBackend):
         await self._abort_where(lambda seq: seq.request.request_id in wanted)
 
     async def sleep(self) -> None:
-        async with self._between_steps():
+        async with self._step_lock:
             if self._asleep_since is not None:
                 return
             self._asleep_since = time.monotonic()
@@ -447,19 +439,6 @@ class TorchGenerationEngine(GenerationBackend):
     async def _in_executor(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
-    @contextlib.asynccontextmanager
-    async def _between_steps(self) -> AsyncIterator[None]:
-        """The step lock, asked for so that a running burst of steps ends at its next step."""
-        self._lock_waiters += 1
-        try:
-            await self._step_lock.acquire()
-        finally:
-            self._lock_waiters -= 1
-        try:
-            yield
-        finally:
-            self._step_lock.release()
-
     async def _decode_loop(self) -> None:
         while True:
             await self._work.wait()
@@ -475,35 +454,19 @@ class TorchGenerationEngine(GenerationBackend):
                     self._work.clear()
                     continue
                 try:
-                    finished = await self._in_executor(
-                        self._step_burst, admit, asyncio.get_running_loop()
-                    )
+                    finished = await self._in_executor(self._step, admit)
                 except Exception as exc:  # a failed step leaves the batch unusable
                     logger.exception("decode step failed; failing %d requests", len(self._running))
                     failed = self._running + [seq for seq in admit if seq not in self._running]
                     self._reset_batch()
                     for seq in failed:
-                        if seq.future.done():
-                            continue
-                        if seq.finish_reason is not None:  # finished by an earlier step
-                            _resolve(seq)
-                        else:
+                        if not seq.future.done():
                             seq.future.set_exception(
                                 GenerationError(f"decode step failed: {exc!r}")
                             )
                     continue
             for seq in finished:
                 _resolve(seq)
-
-    def _admission_ready(self) -> bool:
-        """Would ``_pop_admissible`` admit something now? (Read from the step thread: the
-        queue's length is one atomic read; a stale answer only moves an admission one step.)"""
-        queued = len(self._queue)
-        if not queued:
-            return False
-        limit = self.slots if self.static_decode else self.max_batch_size
-        free = limit - len(self._running)
-        return free > 0 and (free >= self.admission_batch or free >= queued)
 
     def _pop_admissible(self) -> list[_Sequence]:
         admit: list[_Sequence] = []
@@ -525,7 +488,7 @@ class TorchGenerationEngine(GenerationBackend):
         queued = [seq for seq in self._queue if predicate(seq)]
         if queued:
             self._queue = deque(seq for seq in self._queue if not predicate(seq))
-        async with self._between_steps():
+        async with self._step_lock:
             rows = [row for row, seq in enumerate(self._running) if predicate(seq)]
             running = await self._in_executor(self._drop_rows, rows) if rows else []
         for seq in [*queued, *running]:
@@ -533,37 +496,6 @@ class TorchGenerationEngine(GenerationBackend):
             _resolve(seq)
 
     # ------------------------------------------------------------------ compute side (one thread)
-
-    def _step_burst(
-        self, admit: list[_Sequence], loop: asyncio.AbstractEventLoop
-    ) -> list[_Sequence]:
-        """Run decode steps back to back in the step thread, up to ``STEP_BURST_STEPS`` steps
-        or ``STEP_BURST_SECONDS``, and return the last step's finished sequences.
-
-        One executor call per step made every step wait for the event loop between two steps,
-        and in a busy process (a controller and a trainer beside the engine) the loop answers
-        late: on the H200 an engine sharing the trainer's process spent a fifth of its time
-        between steps. The burst ends at the first step boundary where the loop has work for
-        the step thread: queued requests that ``_pop_admissible`` would admit, a caller waiting
-        for the step lock (weights, sleep, aborts), no running rows. Sequences that finish
-        within the burst are resolved on the loop as they finish (``call_soon_threadsafe``),
-        not at its end.
-        """
-        finished = self._step(admit)
-        deadline = time.perf_counter() + STEP_BURST_SECONDS
-        for _ in range(STEP_BURST_STEPS - 1):
-            if (
-                not self._running
-                or self._lock_waiters
-                or self._closed
-                or self._admission_ready()
-                or time.perf_counter() >= deadline
-            ):
-                break
-            for seq in finished:
-                loop.call_soon_threadsafe(_resolve, seq)
-            finished = self._step([])
-        return finished
 
     @torch.inference_mode()
     def _step(self, admit: list[_Sequence]) -> list[_Sequence]:
@@ -1008,10 +940,6 @@ class TorchGenerationEngine(GenerationBackend):
 # before) and its priority (lower is higher; CUDA maps it into the device's range).
 OWN_STREAM = True
 STREAM_PRIORITY = -1
-# At most this many decode steps, and about this long, per call into the step thread
-# (_step_burst); 1 gives one event-loop round trip per step, as before.
-STEP_BURST_STEPS = 64
-STEP_BURST_SECONDS = 0.02
 
 
 def _enter_engine_stream(device: torch.device, sm_share: SmShare | None = None) -> None:

@@ -12,7 +12,7 @@ import torch
 from transformers import PreTrainedModel
 
 from tandemrl.config.models import PolicyConfig
-from tandemrl.generation import create_generation_backend, torch_engine
+from tandemrl.generation import create_generation_backend
 from tandemrl.generation.base import GenerationError
 from tandemrl.generation.fake import FakeGenerationBackend
 from tandemrl.generation.torch_engine import TorchGenerationEngine
@@ -329,43 +329,6 @@ def test_requests_join_a_running_batch(model_path: Path, model: PreTrainedModel)
         for prompt, result in zip(PROMPTS, late, strict=True):
             assert result.token_ids == greedy_reference(model, prompt, 6, eos=None)
             assert max_abs_diff(result.logprobs, recomputed_logprobs(model, result)) < 1e-5
-
-    run_with_engine(model_path, body, eos_token_ids=())
-
-
-@pytest.mark.parametrize("burst", [1, torch_engine.STEP_BURST_STEPS])
-def test_steps_run_in_bursts_and_finished_rows_resolve_at_once(
-    model_path: Path, model: PreTrainedModel, burst: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The step thread runs steps back to back (few event-loop round trips), yet a sequence
-    that finishes inside a burst reaches its caller while the burst goes on."""
-    monkeypatch.setattr(torch_engine, "STEP_BURST_STEPS", burst)
-    monkeypatch.setattr(torch_engine, "STEP_BURST_SECONDS", 60.0)
-
-    async def body(engine: TorchGenerationEngine) -> None:
-        calls = 0
-        in_executor = engine._in_executor
-
-        async def counted(fn: Callable[..., object], *args: object) -> object:
-            nonlocal calls
-            calls += fn == engine._step_burst
-            return await in_executor(fn, *args)
-
-        engine._in_executor = counted  # type: ignore[method-assign]
-        long = asyncio.ensure_future(
-            engine.generate([GenerationRequest("long", PROMPTS[3], 50, temperature=0.0)])
-        )
-        (short,) = await engine.generate(
-            [GenerationRequest("short", PROMPTS[0], 2, temperature=0.0)]
-        )
-        assert not long.done() and engine.stats.decode_steps < 40
-        (long_result,) = await long
-        assert short.token_ids == greedy_reference(model, PROMPTS[0], 2, eos=None)
-        assert long_result.token_ids == greedy_reference(model, PROMPTS[3], 50, eos=None)
-        if burst == 1:
-            assert calls >= engine.stats.decode_steps
-        else:  # the admission of "short" ends the first burst; then one burst to the end
-            assert calls <= 4
 
     run_with_engine(model_path, body, eos_token_ids=())
 
