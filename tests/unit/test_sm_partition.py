@@ -59,7 +59,7 @@ def _on_share(share: object, fn: object) -> object:
 
 
 @cuda_only
-def test_shares_run_on_disjoint_sms_and_executor_restores_its_stream() -> None:
+def test_shares_run_on_disjoint_sms_and_the_executor_runs_on_its_share() -> None:
     total = torch.cuda.get_device_properties(0).multi_processor_count
     with pytest.raises(SmPartitionError, match=f"between 1 and {total - 1}"):
         split_sms(torch.device("cuda"), total)
