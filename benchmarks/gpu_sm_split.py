@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from tandemrl.sm_partition import SmShare, split_sms
+from tandemrl.sm_partition import SmShare, sms_used, split_sms
 
 HIDDEN, INTERMEDIATE, QKV, VOCAB, LAYERS = 896, 4864, 1152, 151936, 24
 
@@ -49,28 +49,6 @@ def in_thread(share: SmShare | None, fn: Any) -> Any:
     if "error" in box:
         raise RuntimeError(box["error"])
     return box["value"]
-
-
-def sm_ids(programs: int) -> torch.Tensor:
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def smid_kernel(out_ptr, BLOCK: tl.constexpr):
-        pid = tl.program_id(0)
-        offsets = tl.arange(0, BLOCK)
-        sm = tl.inline_asm_elementwise(
-            "mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
-        )
-        # spin a little so programs spread over the SMs they may use
-        acc = offsets.to(tl.float32)
-        for _ in range(2000):
-            acc = acc * 1.0001 + 0.5
-        tl.store(out_ptr + pid * BLOCK + offsets, sm + (acc * 0).to(tl.int32))
-
-    out = torch.empty(programs * 32, dtype=torch.int32, device="cuda")
-    smid_kernel[(programs,)](out, BLOCK=32)
-    return out.view(programs, 32)[:, 0]
 
 
 def checks(device: torch.device, engine: SmShare, trainer: SmShare) -> dict[str, Any]:
@@ -120,9 +98,9 @@ def checks(device: torch.device, engine: SmShare, trainer: SmShare) -> dict[str,
     check("graph_on_engine_share", lambda: in_thread(engine, graph_on_engine))
 
     def disjoint() -> dict[str, Any]:
-        engine_sms = set(in_thread(engine, lambda: sm_ids(4096)).tolist())
-        trainer_sms = set(in_thread(trainer, lambda: sm_ids(4096)).tolist())
-        whole = set(sm_ids(4096).tolist())
+        engine_sms = in_thread(engine, sms_used)
+        trainer_sms = in_thread(trainer, sms_used)
+        whole = sms_used()
         return {
             "engine_sms_used": len(engine_sms),
             "trainer_sms_used": len(trainer_sms),

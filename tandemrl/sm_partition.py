@@ -65,10 +65,14 @@ class SmShare:
     capture_stream: torch.cuda.ExternalStream
     green_context: int  # CUgreenCtx handle, kept alive for the process's life
 
-    def enter(self) -> None:
-        """Make this share's stream the calling thread's current stream (on its device)."""
+    def enter(self) -> torch.cuda.Stream:
+        """Make this share's stream the calling thread's current stream (on its device),
+        after the work queued so far on the thread's stream; returns that stream."""
         torch.cuda.set_device(self.stream.device)
+        previous = torch.cuda.current_stream(self.stream.device)
+        self.stream.wait_stream(previous)
         torch.cuda.set_stream(self.stream)
+        return previous
 
 
 _driver_lock = threading.Lock()
@@ -133,6 +137,28 @@ def _green_share(
         capture_stream=streams[1],
         green_context=int(green.value),
     )
+
+
+def sms_used(programs: int = 4096) -> set[int]:
+    """The SMs that ``programs`` Triton programs ran on (each reads ``%smid``), queued on the
+    calling thread's current stream: a check of which SMs a share's work may take."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def smid(out_ptr):
+        sm = tl.inline_asm_elementwise(
+            "mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+        )
+        spin = tl.program_id(0).to(tl.float32)
+        for _ in range(1000):  # long enough that the programs spread over every SM they may use
+            spin = spin * 1.0001 + 0.5
+        tl.store(out_ptr + tl.program_id(0), sm + (spin * 0).to(tl.int32))
+
+    out = torch.empty(programs, dtype=torch.int32, device="cuda")
+    smid[(programs,)](out)
+    torch.cuda.current_stream().synchronize()
+    return set(out.tolist())
 
 
 def split_sms(

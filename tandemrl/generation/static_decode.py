@@ -483,7 +483,8 @@ class StaticDecoder:
         parity = self._launches % 2
         drawn = self._uniform_host[parity]
         drawn[:rows] = 0.5
-        drawn[list(slots)] = uniforms
+        slots = list(slots)
+        drawn[slots] = uniforms
         self.uniforms[:rows].copy_(self._uniform_staging[parity][:rows], non_blocking=True)
         key = (rows, length, top_p)
         if self.use_graphs:
@@ -501,7 +502,7 @@ class StaticDecoder:
         done = self._done_events[parity]
         if done is not None:
             done.record()
-        return LaunchedStep(list(slots), results, done)
+        return LaunchedStep(slots, results, done)
 
     @staticmethod
     def collect(launched: LaunchedStep) -> tuple[list[int], list[float]]:

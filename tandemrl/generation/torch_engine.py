@@ -962,11 +962,11 @@ def _enter_engine_stream(device: torch.device, sm_share: SmShare | None = None) 
     if device.index is not None:
         torch.cuda.set_device(device)
     if sm_share is not None:
-        stream = sm_share.stream
-    elif not OWN_STREAM:
+        sm_share.enter()
         return
-    else:
-        stream = torch.cuda.Stream(device, priority=STREAM_PRIORITY)
+    if not OWN_STREAM:
+        return
+    stream = torch.cuda.Stream(device, priority=STREAM_PRIORITY)
     stream.wait_stream(torch.cuda.current_stream(device))
     torch.cuda.set_stream(stream)
 

@@ -57,9 +57,7 @@ class SerialExecutor:
             share = self.sm_share
             if share is None:
                 return fn(*args, **kwargs)
-            previous = torch.cuda.current_stream(share.stream.device)
-            share.stream.wait_stream(previous)
-            torch.cuda.set_stream(share.stream)
+            previous = share.enter()
             try:
                 return fn(*args, **kwargs)
             finally:

@@ -13,7 +13,7 @@ import torch
 from tandemrl.generation.torch_engine import TorchGenerationEngine
 from tandemrl.models import load_causal_lm, resolve_model_path
 from tandemrl.records import GenerationRequest
-from tandemrl.sm_partition import SmPartitionError, _DevResource, split_sms
+from tandemrl.sm_partition import SmPartitionError, _DevResource, sms_used, split_sms
 from tandemrl.training.worker_common import SerialExecutor
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -32,27 +32,6 @@ def test_split_refuses_a_cpu_device() -> None:
         split_sms(torch.device("cpu"), 8)
 
 
-def _sm_of_each_program(programs: int) -> set[int]:
-    """The SM each of ``programs`` Triton programs ran on (``%smid``), on the current stream."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def smid(out_ptr):
-        sm = tl.inline_asm_elementwise(
-            "mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
-        )
-        spin = tl.program_id(0).to(tl.float32)
-        for _ in range(1000):  # long enough that the programs spread over every SM they may use
-            spin = spin * 1.0001 + 0.5
-        tl.store(out_ptr + tl.program_id(0), sm + (spin * 0).to(tl.int32))
-
-    out = torch.empty(programs, dtype=torch.int32, device="cuda")
-    smid[(programs,)](out)
-    torch.cuda.current_stream().synchronize()
-    return set(out.tolist())
-
-
 def _on_share(share: object, fn: object) -> object:
     executor = SerialExecutor(sm_share=share)  # type: ignore[arg-type]
     return asyncio.run(executor.run(fn))  # type: ignore[arg-type]
@@ -65,11 +44,11 @@ def test_shares_run_on_disjoint_sms_and_the_executor_runs_on_its_share() -> None
         split_sms(torch.device("cuda"), total)
     engine, trainer = split_sms(torch.device("cuda"), 16)
     assert engine.sm_count >= 16 and engine.sm_count + trainer.sm_count == total
-    engine_sms = _on_share(engine, lambda: _sm_of_each_program(4096))
-    trainer_sms = _on_share(trainer, lambda: _sm_of_each_program(4096))
+    engine_sms = _on_share(engine, lambda: sms_used(4096))
+    trainer_sms = _on_share(trainer, lambda: sms_used(4096))
     assert len(engine_sms) == engine.sm_count and len(trainer_sms) == trainer.sm_count
     assert not engine_sms & trainer_sms
-    assert len(_sm_of_each_program(4096)) == total  # the default stream: every SM
+    assert len(sms_used(4096)) == total  # the default stream: every SM
 
     # The executor's calls queue on the share's stream and finish before they return.
     x = torch.randn(512, 512, device="cuda")
