@@ -139,6 +139,7 @@ class EngineHost(WeightReceiverHost):
         max_seq_len: int | None = None,
         free_cache_on_sleep: bool = True,
         sm_share: Any = None,
+        steps_per_launch: int | None = None,
     ) -> None:
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))
@@ -154,6 +155,7 @@ class EngineHost(WeightReceiverHost):
             max_seq_len=max_seq_len,
             free_cache_on_sleep=free_cache_on_sleep,
             sm_share=sm_share,
+            steps_per_launch=steps_per_launch,
         )
         self.lengths = lengths
         self.step_busy_s = 0.0

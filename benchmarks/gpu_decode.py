@@ -4,14 +4,15 @@ Three measurements on a random-init Qwen2 of a real size (``gpu_common.QWEN2_SIZ
 
 - ``check``: logits of the static step against the transformers forward pass on the same
   tokens (float32 on CPU: ~1e-6; bf16 on the GPU: ~1e-2, bf16 rounding).
-- ``graph``: one decode step of ``rows`` busy slots at a mean context of ``context + steps/2``,
-  replayed as a CUDA graph, with and without ``torch.compile`` fusions; ms/step from CUDA
-  events over ``steps`` replays; the floor is (weight bytes + rows x context x KV bytes per
+- ``graph``: decode steps of ``rows`` busy slots at a mean context of ``context + steps/2``,
+  replayed as a CUDA graph of ``--steps-per-launch`` steps, with and without
+  ``torch.compile`` fusions; ms/step from CUDA events over ``steps`` steps; the floor is (weight bytes + rows x context x KV bytes per
   token) / copy bandwidth; kernels per step counted with ``torch.profiler`` on one eager step.
 - ``engine``: ``TorchGenerationEngine`` end to end (admission prefill, graph replays, host
   bookkeeping): all rows admitted at once, ``steps`` sampled tokens each; tokens/s and ms per
   decode step (busy time of ``_step`` / steps, with and without the admission prefill), static
-  path (one step in flight or none) vs ``cuda_graphs="off"``.
+  path (one launch in flight or none; ``--steps-per-launch`` steps a launch) vs
+  ``cuda_graphs="off"``.
 
 ``--attention kernel torch``: the static step's decode attention as one Triton kernel
 (``decode_attention.py``, the default) or as the torch reference (two batched products around
@@ -77,7 +78,7 @@ def check(model: Any, length: int, seed: int) -> float:
 
 
 def count_kernels(decoder: StaticDecoder, rows: int, length: int) -> dict[str, Any]:
-    """CUDA kernels of one eager step (what a graph replays), by name."""
+    """CUDA kernels of one eager launch (what a graph replays), by name; counts per step."""
     from torch.profiler import ProfilerActivity, profile
 
     saved = (decoder.tokens.clone(), decoder.positions.clone())
@@ -94,9 +95,10 @@ def count_kernels(decoder: StaticDecoder, rows: int, length: int) -> dict[str, A
         if event.device_type == torch.autograd.DeviceType.CUDA:
             kernels.setdefault(event.name, []).append(event.device_time)
     top = sorted(kernels.items(), key=lambda item: -sum(item[1]))[:40]
+    per_launch = decoder.steps  # one _decode is one launch of that many steps
     return {
-        "kernels_per_step": sum(len(times) for times in kernels.values()),
-        "kernel_us_per_step": sum(sum(times) for times in kernels.values()),
+        "kernels_per_step": sum(len(times) for times in kernels.values()) / per_launch,
+        "kernel_us_per_step": sum(sum(times) for times in kernels.values()) / per_launch,
         "top": [
             {"name": name[:90], "count": len(times), "us": round(sum(times), 1)}
             for name, times in top
@@ -112,8 +114,9 @@ def bench_graph(
     compile_step: bool,
     bandwidth: float,
     compile_mode: str | None = None,
+    per_launch: int = 1,
 ) -> dict[str, Any]:
-    max_len = context + steps + 8
+    max_len = context + steps + per_launch + 8
     decoder = StaticDecoder(
         model,
         slots=rows,
@@ -121,6 +124,7 @@ def bench_graph(
         use_graphs=True,
         compile_step=compile_step,
         compile_mode=compile_mode,
+        steps=per_launch,
     )
     decoder.cache.normal_()
     busy = list(range(rows))
@@ -145,17 +149,19 @@ def bench_graph(
     decoder.positions.fill_(context)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(steps):
+    replays = max(1, steps // per_launch)
+    for _ in range(replays):
         graph.replay()
     end.record()
     torch.cuda.synchronize()
-    step_s = start.elapsed_time(end) / 1e3 / steps
-    logprobs = decoder.out[:rows, 1]
+    step_s = start.elapsed_time(end) / 1e3 / (replays * per_launch)
+    logprobs = decoder._launch_views(rows, (decoder.uniforms, decoder.out))[1][..., 1]
     assert bool(torch.isfinite(logprobs).all()), "non-finite logprobs"
     mean_context = context + steps / 2
     floor_s = floor_seconds(model, rows, mean_context, bandwidth)
     result = {
         "rows": rows,
+        "steps_per_launch": per_launch,
         "compile": compile_step,
         "context": mean_context,
         "attended_length": length,
@@ -182,6 +188,7 @@ async def bench_engine(
     admission_batch: int | None = None,
     workload: str = "uniform",
     bandwidth: float | None = None,
+    per_launch: int | None = None,
 ) -> dict[str, Any]:
     """``uniform``: ``rows`` requests of ``steps`` tokens, admitted at once; ``longtail``:
     4 x ``rows`` requests of lognormal lengths (median ``steps / 2``, at most ``2 x steps``).
@@ -197,6 +204,7 @@ async def bench_engine(
         max_seq_len=prompt_len + longest + 64,
         pipeline_steps=pipeline,
         admission_batch=admission_batch,
+        steps_per_launch=per_launch,
     )
     step = engine._step
     busy = [0.0]
@@ -267,6 +275,7 @@ async def bench_engine(
         "cuda_graphs": cuda_graphs,
         "static": engine.static_decode,
         "pipeline": pipeline,
+        "steps_per_launch": engine.steps_per_launch,
         "workload": workload,
         "admission_batch": engine.admission_batch,
         "admissions": engine.stats.admissions - admissions_before,
@@ -277,7 +286,8 @@ async def bench_engine(
         "prefill_s": prefill_s[0],
         "ms_per_step_without_prefill": 1e3 * (busy[0] - prefill_s[0]) / max(decode_steps, 1),
         "wall_ms_per_step": 1e3 * elapsed / max(decode_steps, 1),
-        "steady_ms_per_step": 1e3 * steady_interval(ends),
+        # One engine step is one launch of steps_per_launch decode steps.
+        "steady_ms_per_step": 1e3 * steady_interval(ends) / engine.steps_per_launch,
         "device_wait_ms_per_step": 1e3
         * (engine.stats.device_wait_s - wait_before)
         / max(decode_steps, 1),
@@ -397,6 +407,14 @@ def main() -> None:
         "default) or on the device's default stream (torch_engine.OWN_STREAM)",
     )
     parser.add_argument("--engine-batches", type=int, nargs="+", default=None)
+    parser.add_argument(
+        "--steps-per-launch",
+        type=int,
+        nargs="+",
+        default=[1, 4],
+        help="decode steps per graph replay (graph rows) and per engine launch (engine rows, "
+        "policy.generation.torch.steps_per_launch)",
+    )
     parser.add_argument("--workload", default="uniform", choices=["uniform", "longtail"])
     parser.add_argument("--admission-batches", type=int, nargs="+", default=[0])
     parser.add_argument("--bandwidth-tbps", type=float, default=4.22)
@@ -443,15 +461,16 @@ def main() -> None:
             f":{static_decode.O_SPLITS}:{static_decode.QKV_SPLITS}"
         )
         graph_variants = [
-            (a, s_, c, m, shape, v)
+            (a, s_, c, m, shape, v, k)
             for v in args.step_variants or [defaults]
             for a in args.attention
             for s_ in args.sampler
             for c in args.compile
             for m in (args.compile_modes if c == "on" else ["default"])
             for shape in (configs if a == "kernel" and configs else [launch])
+            for k in args.steps_per_launch
         ]
-        for attention, sampler, compile_flag, mode, shape, variant in (
+        for attention, sampler, compile_flag, mode, shape, variant, per_launch in (
             [] if args.skip_graph else graph_variants
         ):
             set_step_variant(variant)
@@ -469,6 +488,7 @@ def main() -> None:
                         compile_flag == "on",
                         args.bandwidth_tbps,
                         None if mode == "default" else mode,
+                        per_launch,
                     )
                 except Exception as exc:  # report and keep measuring the other variants
                     row = {"rows": rows, "compile": compile_flag, "error": repr(exc)[:2000]}
@@ -491,20 +511,24 @@ def main() -> None:
         torch.cuda.empty_cache()
         result["engine"] = []
         engine_variants = [
-            (a, s_, m, p == "on", b, st)
+            (a, s_, m, p == "on", b, st, k)
             for a in args.attention
             for s_ in args.sampler
             for m in args.engine_modes
             for p in args.engine_pipeline
             for b in args.admission_batches
             for st in args.engine_streams
+            for k in args.steps_per_launch
         ]
-        for attention, sampler, mode, pipeline, admission, stream in (
+        for attention, sampler, mode, pipeline, admission, stream, per_launch in (
             [] if args.skip_engine else engine_variants
         ):
             torch_engine.OWN_STREAM = stream == "own"
             if mode == "off" and (
-                not pipeline or attention != args.attention[0] or sampler != args.sampler[0]
+                not pipeline
+                or attention != args.attention[0]
+                or sampler != args.sampler[0]
+                or per_launch != args.steps_per_launch[0]
             ):
                 continue  # the dynamic path has no pipeline and no static attention/sampler
             decode_attention.USE_KERNEL = attention == "kernel"
@@ -522,6 +546,7 @@ def main() -> None:
                             admission or None,
                             args.workload,
                             args.bandwidth_tbps,
+                            per_launch,
                         )
                     )
                 except Exception as exc:

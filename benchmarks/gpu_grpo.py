@@ -400,6 +400,7 @@ def _engine_kwargs(folder: Path, device: str, args: argparse.Namespace, lengths:
         "device": device,
         "max_batch_size": args.max_batch,
         "lengths": lengths,
+        "steps_per_launch": args.steps_per_launch,
     }
 
 
@@ -947,6 +948,13 @@ def main() -> None:
         "of their own (the engine's default) or on the default stream, the trainer's "
         "(torch_engine.OWN_STREAM)",
     )
+    parser.add_argument(
+        "--steps-per-launch",
+        type=int,
+        default=None,
+        help="policy.generation.torch.steps_per_launch of the GRPO rows' engines: decode steps "
+        "per graph replay and host wait (default: the engine's, 4 on CUDA)",
+    )
     parser.add_argument("--ceil-tflops", type=float, default=784.0)
     parser.add_argument("--ceil-tbps", type=float, default=4.22)
     args = parser.parse_args()
@@ -971,6 +979,7 @@ def main() -> None:
         "sm_carveout": args.sm_carveout,
         "blas_library": args.blas_library,
         "engine_stream": args.engine_stream,
+        "steps_per_launch": args.steps_per_launch or torch_engine.CUDA_STEPS_PER_LAUNCH,
     }
     emit(args.out, "env", summary)
     peak, bandwidth = args.ceil_tflops, args.ceil_tbps

@@ -75,9 +75,13 @@ class TorchGenerationConfig(Strict):
     # max_batch_size when it holds fewer.
     kv_cache_memory_fraction: float = Field(0.5, gt=0.0, le=1.0)
     # Queued requests join the running batch once this many rows are free (or all of them
-    # fit, or nothing runs): fewer, larger prefill passes. None: a quarter of max_batch_size
-    # on the DynamicCache path, 1 on the static path.
+    # fit, or nothing runs): fewer, larger prefill passes. None: a quarter of the batch's rows
+    # (max_batch_size, or the static cache's slots when it holds fewer).
     admission_batch: int | None = Field(None, ge=1)
+    # Static path: decode steps queued per launch (one CUDA graph replay, one host wait):
+    # less host work per token, at the cost of finished rows computed to the launch's end.
+    # None: 4 on CUDA, 1 on CPU.
+    steps_per_launch: int | None = Field(None, ge=1)
 
 
 class GenerationConfig(Strict):

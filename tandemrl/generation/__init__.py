@@ -34,6 +34,7 @@ def engine_options(
         "max_seq_len": cfg.generation.torch.max_seq_len,
         "kv_cache_memory_fraction": cfg.generation.torch.kv_cache_memory_fraction,
         "admission_batch": cfg.generation.torch.admission_batch,
+        "steps_per_launch": cfg.generation.torch.steps_per_launch,
         "free_cache_on_sleep": cfg.generation.colocated.free_cache_on_sleep,
         "recompute_kv_cache_after_weight_updates": recompute_kv_cache_after_weight_updates,
         # policy.generation.stop_token_ids travel on each request; the model's EOS (read from

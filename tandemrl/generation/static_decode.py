@@ -1,4 +1,4 @@
-"""Static-cache decode for Qwen2/Llama-family models: fixed row slots, one step per graph replay.
+"""Static-cache decode for Qwen2/Llama-family models: fixed row slots, steps as graph replays.
 
 What it owns: a KV cache of shape ``[layers, 2, slots, kv_heads, max_len, head_dim]`` (keys and
 values), the per-slot decode state (the token to feed, its position, sampling parameters) and a
@@ -15,6 +15,9 @@ queries), output projection, RMSNorm, one fused gate/up projection, SiLU, down p
 slot from the tempered distribution (inverse CDF of a host-drawn uniform, optional top-p; greedy
 slots take the argmax; on CUDA without top-p two Triton kernels, ``decode_sampler.py``) and
 write the token, its logprob, the next position and the next input token in place.
+A *launch* runs ``steps`` such steps back to back (the decoder's ``steps``; one graph holds
+them all on CUDA): each step reads the tokens and positions the one before it wrote, so the
+host uploads ``steps`` uniforms per slot and reads ``steps`` results per slot once per launch.
 Free slots inside the bucket are computed and ignored. Shapes are static per ``(rows, length,
 top_p)``, so on CUDA each such key is captured once as a graph and replayed; on CPU the same code
 runs eagerly (tests).
@@ -210,17 +213,21 @@ def bucket(value: int, minimum: int, cap: int) -> int:
 
 @dataclass
 class LaunchedStep:
-    """A decode step queued on the device (``StaticDecoder.launch``)."""
+    """A launch's decode steps queued on the device (``StaticDecoder.launch``)."""
 
     slots: list[int]
-    results: torch.Tensor  # host [rows, 2]: tokens, logprobs (valid once ``done`` completes)
-    done: torch.cuda.Event | None  # None on CPU, where the step ran synchronously
+    # Host [steps, rows, 2]: each step's tokens and logprobs (valid once ``done`` completes).
+    results: torch.Tensor
+    done: torch.cuda.Event | None  # None on CPU, where the steps ran synchronously
 
 
 class StaticDecoder:
     """Slots, their KV cache and the decode step of one model (see the module docstring).
 
-    ``use_graphs``: capture each ``(rows, length, top_p)`` step as a CUDA graph (CUDA only).
+    ``use_graphs``: capture each ``(rows, length, top_p)`` launch as a CUDA graph (CUDA only).
+    ``steps``: decode steps per launch (module docstring). More steps share one graph launch,
+    one upload and one download, and one wait of the host; a row that finishes inside a
+    launch is still computed to its end (its extra tokens are the caller's to drop).
     ``compile_step``: fuse the elementwise work around the matrix products with
     ``torch.compile`` (CUDA only; compiled once per shape family, before any capture).
     ``compile_mode``: ``torch.compile``'s mode for those functions (None: its default;
@@ -237,7 +244,10 @@ class StaticDecoder:
         use_graphs: bool,
         compile_step: bool,
         compile_mode: str | None = None,
+        steps: int = 1,
     ) -> None:
+        if steps < 1:
+            raise ValueError(f"static decode: steps per launch must be >= 1, got {steps}")
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"static decode does not support this model: {reason}")
@@ -262,7 +272,7 @@ class StaticDecoder:
         rotary = model.model.rotary_emb
         self.inv_freq = rotary.inv_freq.to(self.device, torch.float32)
         self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
-        self.slots, self.max_len = slots, max_len
+        self.slots, self.max_len, self.steps = slots, max_len, steps
         self.use_graphs, self.compile_step = use_graphs, compile_step
 
         self.cache = self.keys = self.values = torch.empty(0)
@@ -273,17 +283,20 @@ class StaticDecoder:
         self.temperatures = torch.ones(slots, dtype=torch.float32, **on)
         self.greedy = torch.zeros(slots, dtype=torch.bool, **on)
         self.top_p = torch.ones(slots, dtype=torch.float32, **on)
-        self.uniforms = torch.full((slots,), 0.5, dtype=torch.float32, **on)
-        # Per slot: the sampled token and its logprob (float64 holds every token id exactly).
-        # Slot-major, so the first ``rows`` slots' results are one contiguous block.
-        self.out = torch.zeros(slots, 2, dtype=torch.float64, **on)
+        # A launch's draws and results are flat buffers viewed per rows bucket as [steps, rows]
+        # and [steps, rows, 2] (``_launch_views``): one contiguous block per launch whatever
+        # the bucket, so each copy between host and device is one plain copy.
+        self.uniforms = torch.full((steps * slots,), 0.5, dtype=torch.float32, **on)
+        # Per step and slot: the sampled token and its logprob (float64 holds every token id
+        # exactly).
+        self.out = torch.zeros(steps * slots * 2, dtype=torch.float64, **on)
         # Host side of each launch (uniforms in, tokens and logprobs out), pinned on CUDA.
         pinned = self.device.type == "cuda"
         self._uniform_staging = [
-            torch.zeros(slots, dtype=torch.float32, pin_memory=pinned) for _ in range(2)
+            torch.zeros(steps * slots, dtype=torch.float32, pin_memory=pinned) for _ in range(2)
         ]
         self._result_staging = [
-            torch.zeros(slots, 2, dtype=torch.float64, pin_memory=pinned) for _ in range(2)
+            torch.zeros(steps * slots * 2, dtype=torch.float64, pin_memory=pinned) for _ in range(2)
         ]
         # The host side of a step goes through numpy views of those buffers and two reused
         # events: every torch call lets go of the GIL, and beside a trainer thread of the same
@@ -457,35 +470,53 @@ class StaticDecoder:
 
     @torch.inference_mode()
     def step(
-        self, slots: Sequence[int], uniforms: Sequence[float], max_position: int, top_p: bool
-    ) -> tuple[list[int], list[float]]:
-        """One decode step; the sampled token and its logprob for each of ``slots``."""
+        self, slots: Sequence[int], uniforms: Any, max_position: int, top_p: bool
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """One launch (``steps`` decode steps); see ``launch`` and ``collect``."""
         return self.collect(self.launch(slots, uniforms, max_position, top_p))
+
+    def _launch_views(
+        self, rows: int, tensors: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A rows bucket's views of flat (uniforms, results) buffers: [steps, rows] and
+        [steps, rows, 2], each one contiguous block at the buffer's start."""
+        uniforms, results = tensors
+        return (
+            uniforms[: self.steps * rows].view(self.steps, rows),
+            results[: self.steps * rows * 2].view(self.steps, rows, 2),
+        )
 
     @torch.inference_mode()
     def launch(
-        self, slots: Sequence[int], uniforms: Sequence[float], max_position: int, top_p: bool
+        self, slots: Sequence[int], uniforms: Any, max_position: int, top_p: bool
     ) -> LaunchedStep:
-        """Queue one decode step on the device and return without waiting for it.
+        """Queue one launch (``steps`` decode steps) on the device; return without waiting.
 
-        ``uniforms[i]`` is slot ``slots[i]``'s draw; ``max_position`` the largest position fed.
-        The step's outputs are copied to pinned host memory behind it; ``collect`` waits.
-        Steps queue in order, so state written after a launch (``prefill``, ``set_rows``,
-        weight copies) takes effect from the next launch on.
+        ``uniforms``: slot ``slots[i]``'s draws, ``uniforms[i]`` (one float per slot, or
+        ``steps`` of them in the order of the steps); ``max_position`` the largest position fed
+        to the first step (the last step feeds ``max_position + steps - 1`` at most). The
+        outputs are copied to pinned host memory behind the steps; ``collect`` waits.
+        Launches queue in order, so state written after one (``prefill``, ``set_rows``, weight
+        copies) takes effect from the next launch on.
         """
         if not self.allocated:
             raise RuntimeError("static decode: step after release() without allocate()")
+        slots = list(slots)
+        draws = np.asarray(uniforms, dtype=np.float32).reshape(len(slots), self.steps)
         rows = bucket(max(slots) + 1, MIN_ROWS_BUCKET, self.slots)
-        length = bucket(max_position + 1, MIN_LENGTH_BUCKET, self.max_len)
+        length = bucket(max_position + self.steps, MIN_LENGTH_BUCKET, self.max_len)
         # Two host buffers, alternating: a launch never overwrites what the one before it
-        # still has to read (the engine keeps at most one step in flight).
+        # still has to read (the engine keeps at most one launch in flight).
         self._launches += 1
         parity = self._launches % 2
-        drawn = self._uniform_host[parity]
-        drawn[:rows] = 0.5
-        slots = list(slots)
-        drawn[slots] = uniforms
-        self.uniforms[:rows].copy_(self._uniform_staging[parity][:rows], non_blocking=True)
+        drawn = self._uniform_host[parity][: self.steps * rows].reshape(self.steps, rows)
+        drawn[:] = 0.5
+        drawn[:, slots] = draws.T
+        device_uniforms, device_out = self._launch_views(rows, (self.uniforms, self.out))
+        staged_uniforms, results = self._launch_views(
+            rows, (self._uniform_staging[parity], self._result_staging[parity])
+        )
+        device_uniforms.copy_(staged_uniforms, non_blocking=True)
         key = (rows, length, top_p)
         if self.use_graphs:
             graph = self._graphs.get(key)
@@ -495,22 +526,22 @@ class StaticDecoder:
         else:
             self._decode(*key)
         # Both sides contiguous: a strided device-to-host copy would go through an unpinned
-        # temporary, and such a copy waits for the device (the step just launched included),
-        # which took the step in flight away whenever the rows bucket was below the slots.
-        results = self._result_staging[parity][:rows]
-        results.copy_(self.out[:rows], non_blocking=True)
+        # temporary, and such a copy waits for the device (the launch just queued included),
+        # which took the launch in flight away whenever the rows bucket was below the slots.
+        results.copy_(device_out, non_blocking=True)
         done = self._done_events[parity]
         if done is not None:
             done.record()
         return LaunchedStep(slots, results, done)
 
     @staticmethod
-    def collect(launched: LaunchedStep) -> tuple[list[int], list[float]]:
-        """Wait for a launched step; its tokens and logprobs in the order of its slots."""
+    def collect(launched: LaunchedStep) -> tuple[list[list[int]], list[list[float]]]:
+        """Wait for a launch; per step, its tokens and logprobs in the order of its slots
+        (``tokens[k][i]``: step k's token of slot ``slots[i]``)."""
         if launched.done is not None:
             launched.done.synchronize()
-        values = launched.results.numpy()[launched.slots]
-        return values[:, 0].astype(np.int64).tolist(), values[:, 1].tolist()
+        values = launched.results.numpy()[:, launched.slots]
+        return values[..., 0].astype(np.int64).tolist(), values[..., 1].tolist()
 
     # ------------------------------------------------------------------ the step
 
@@ -549,15 +580,18 @@ class StaticDecoder:
         return graph
 
     def _decode(self, rows: int, length: int, top_p: bool) -> None:
-        logits = self.forward(rows, length)
-        token, logprob = self._sample_tokens(
-            logits,
-            self.temperatures[:rows],
-            self.greedy[:rows],
-            self.uniforms[:rows],
-            self.top_p[:rows] if top_p else None,
-        )
-        self._write_back(token, logprob, self.out, self.tokens, self.positions, self.max_len)
+        """One launch: ``steps`` decode steps of slots [0, rows)."""
+        uniforms, out = self._launch_views(rows, (self.uniforms, self.out))
+        for step in range(self.steps):
+            logits = self.forward(rows, length)
+            token, logprob = self._sample_tokens(
+                logits,
+                self.temperatures[:rows],
+                self.greedy[:rows],
+                uniforms[step],
+                self.top_p[:rows] if top_p else None,
+            )
+            self._write_back(token, logprob, out[step], self.tokens, self.positions, self.max_len)
 
     @staticmethod
     def _write_back_eager(
@@ -570,8 +604,8 @@ class StaticDecoder:
     ) -> None:
         """The step's results into the slots' state (one kernel when compiled)."""
         rows = token.shape[0]
-        out[:rows, 0] = token.to(torch.float64)
-        out[:rows, 1] = logprob.to(torch.float64)
+        out[:, 0] = token.to(torch.float64)
+        out[:, 1] = logprob.to(torch.float64)
         # Free slots keep counting too; the clamp keeps their (ignored) writes inside the cache.
         positions[:rows] = (positions[:rows] + 1).clamp(max=max_len - 1)
         tokens[:rows] = token

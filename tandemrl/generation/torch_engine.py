@@ -59,6 +59,11 @@ Two decode paths, one contract:
   re-prefills the running rows into their slots; ``sleep`` drops the cache and the graphs, and
   the first step after ``wake`` rebuilds both. On CPU the same step runs eagerly, one step at a
   time (no step in flight: nothing runs asynchronously there).
+  On CUDA one engine step *launches* ``steps_per_launch`` decode steps at once (one graph
+  replay, one upload of the draws, one download of the results, one wait): the host's work
+  per token shrinks by that factor, which is what a trainer thread sharing the process
+  competes with. Rows join and leave at launch boundaries; a row that finishes inside a launch
+  keeps its slot (computed, its tokens dropped) to the launch's end.
 - *dynamic* (``"off"``, other architectures, CPU models whose static cache would be large):
   the left-padded batch over a transformers ``DynamicCache`` described above.
 
@@ -106,6 +111,8 @@ CUDA_GRAPH_MODES = ("auto", "on", "off")
 DEFAULT_STATIC_MAX_SEQ_LEN = 4096
 # cuda_graphs="auto" on CPU takes the static path when its preallocated cache fits in this.
 CPU_STATIC_CACHE_BYTES = 256 * 2**20
+# Decode steps per launch on CUDA when steps_per_launch is None (CPU: 1, see __init__).
+CUDA_STEPS_PER_LAUNCH = 4
 
 
 @dataclass
@@ -184,6 +191,7 @@ class TorchGenerationEngine(GenerationBackend):
         admission_batch: int | None = None,
         free_cache_on_sleep: bool = True,
         sm_share: SmShare | None = None,
+        steps_per_launch: int | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -195,6 +203,10 @@ class TorchGenerationEngine(GenerationBackend):
         if admission_batch is not None and admission_batch < 1:
             raise ValueError(
                 f"policy.generation.torch.admission_batch={admission_batch}: must be >= 1"
+            )
+        if steps_per_launch is not None and steps_per_launch < 1:
+            raise ValueError(
+                f"policy.generation.torch.steps_per_launch={steps_per_launch}: must be >= 1"
             )
         if max_seq_len is not None and max_seq_len < 2:
             raise ValueError(f"policy.generation.torch.max_seq_len={max_seq_len}: must be >= 2")
@@ -278,6 +290,12 @@ class TorchGenerationEngine(GenerationBackend):
         )
         self._use_graphs = self.static_decode and self.device.type == "cuda"
         self._compile_step = self._use_graphs and compile_step
+        # Decode steps per launch (module docstring). None: CUDA_STEPS_PER_LAUNCH on CUDA; 1 on
+        # CPU, where steps run eagerly (nothing to share out) and a finished row's extra steps
+        # would be pure loss.
+        if steps_per_launch is None:
+            steps_per_launch = CUDA_STEPS_PER_LAUNCH if self.device.type == "cuda" else 1
+        self.steps_per_launch = steps_per_launch if self.static_decode else 1
         self.slots = self._plan_slots(kv_cache_memory_fraction) if self.static_decode else 0
         self._free_slots = list(range(self.slots))
         capacity = self.slots if self.static_decode else max_batch_size
@@ -563,12 +581,13 @@ class TorchGenerationEngine(GenerationBackend):
         return finished
 
     def _static_step(self, admit: list[_Sequence]) -> list[_Sequence]:
-        """Launch the next step, then collect the one before it (one step in flight).
+        """Launch the next steps, then collect the launch before (one launch in flight).
 
-        While the device runs step n+1 the host records step n's tokens. A row that step n
-        finishes was already fed to step n+1; that result is dropped (its slot is free only
-        from the next launch on, and launches run in order). Tokens carry the weight version
-        of the launch that sampled them.
+        While the device runs launch n+1 the host records launch n's tokens. A row that launch
+        n finishes was already fed to launch n+1; those results are dropped (its slot is free
+        only from the next launch on, and launches run in order). Tokens carry the weight
+        version of the launch that sampled them. Each row draws its uniforms in the order of
+        its steps, so a seeded request samples the same tokens whatever ``steps_per_launch``.
         """
         decoder = self._ensure_decoder()
         finished: list[_Sequence] = []
@@ -591,15 +610,16 @@ class TorchGenerationEngine(GenerationBackend):
         if not running:  # the collected step finished every row
             return finished
         graphs_before = decoder.graph_count
+        steps = decoder.steps
         launched = decoder.launch(
             [seq.slot for seq in running],
-            [(seq.rng or self._rng).random() for seq in running],
+            [_draws(seq.rng or self._rng, steps) for seq in running],
             max_position=max(len(seq.request.prompt_token_ids) + seq.launched for seq in running)
             - 1,
             top_p=any(seq.request.top_p < 1.0 for seq in running),
         )
         for seq in running:
-            seq.launched += 1
+            seq.launched += steps
         self.stats.graph_captures += decoder.graph_count - graphs_before
         finished += self._collect_in_flight()
         self._in_flight = (launched, running, self._version)
@@ -608,7 +628,7 @@ class TorchGenerationEngine(GenerationBackend):
         return finished
 
     def _collect_in_flight(self) -> list[_Sequence]:
-        """Record the tokens of the step in flight (if any) for the rows still running."""
+        """Record the tokens of the launch in flight (if any) for the rows still running."""
         if self._in_flight is None:
             return []
         launched, sequences, version = self._in_flight
@@ -617,20 +637,21 @@ class TorchGenerationEngine(GenerationBackend):
         waited_from = time.perf_counter()
         token_ids, logprobs = self._decoder.collect(launched)
         self.stats.device_wait_s += time.perf_counter() - waited_from
-        rows = [
-            (seq, token, logprob)
-            for seq, token, logprob in zip(sequences, token_ids, logprobs, strict=True)
-            if seq.finish_reason is None and seq.slot >= 0  # not finished, not aborted
-        ]
-        if not rows:
-            return []
         finished = []
-        for seq, token, logprob in rows:
-            if self._append(seq, token, logprob, version):
-                finished.append(seq)
-        self.stats.decode_steps += 1
-        self.stats.tokens_generated += len(rows)
-        self.stats.max_running_batch = max(self.stats.max_running_batch, len(rows))
+        for step_tokens, step_logprobs in zip(token_ids, logprobs, strict=True):
+            rows = [
+                (seq, token, logprob)
+                for seq, token, logprob in zip(sequences, step_tokens, step_logprobs, strict=True)
+                if seq.finish_reason is None and seq.slot >= 0  # not finished, not aborted
+            ]
+            if not rows:
+                break
+            for seq, token, logprob in rows:
+                if self._append(seq, token, logprob, version):
+                    finished.append(seq)
+            self.stats.decode_steps += 1
+            self.stats.tokens_generated += len(rows)
+            self.stats.max_running_batch = max(self.stats.max_running_batch, len(rows))
         if finished:
             done = {id(seq) for seq in finished}
             self._select_rows([row for row, seq in enumerate(self._running) if id(seq) not in done])
@@ -650,6 +671,7 @@ class TorchGenerationEngine(GenerationBackend):
                 max_len=self.max_seq_len,
                 use_graphs=self._use_graphs,
                 compile_step=self._compile_step,
+                steps=self.steps_per_launch,
             )
             if self.sm_share is not None:
                 self._decoder.capture_stream = self.sm_share.capture_stream
@@ -969,6 +991,11 @@ def _enter_engine_stream(device: torch.device, sm_share: SmShare | None = None) 
     stream = torch.cuda.Stream(device, priority=STREAM_PRIORITY)
     stream.wait_stream(torch.cuda.current_stream(device))
     torch.cuda.set_stream(stream)
+
+
+def _draws(rng: random.Random, steps: int) -> list[float]:
+    """One row's uniforms for a launch of ``steps`` decode steps, in the order of the steps."""
+    return [rng.random() for _ in range(steps)]
 
 
 def _resolve(seq: _Sequence) -> None:

@@ -21,7 +21,7 @@ from tandemrl.generation.static_decode import (
 )
 from tandemrl.generation.torch_engine import TorchGenerationEngine
 from tandemrl.models import load_causal_lm, resolve_model_path
-from tandemrl.records import GenerationRequest
+from tandemrl.records import GenerationRequest, GenerationResult
 
 torch.set_num_threads(1)
 
@@ -136,7 +136,7 @@ def test_sampled_step_reports_tempered_logprobs_and_advances(preset_path: Path) 
     decoder.set_rows(
         [0, 1], tokens=[5, 7], positions=[0, 0], temperatures=[0.0, 0.7], top_ps=[1, 1]
     )
-    tokens, logprobs = decoder.step([0, 1], [0.3, 0.3], max_position=0, top_p=False)
+    (tokens,), (logprobs,) = decoder.step([0, 1], [0.3, 0.3], max_position=0, top_p=False)
     assert tokens[0] == int(logits[0].argmax())  # greedy
     expected = [
         torch.log_softmax(logits[0], -1)[tokens[0]],
@@ -158,10 +158,55 @@ def test_launch_results_of_a_small_bucket_are_one_contiguous_block(preset_path: 
         [3, 6], tokens=[5, 7], positions=[0, 0], temperatures=[0.0, 0.0], top_ps=[1, 1]
     )
     launched = decoder.launch([3, 6], [0.5, 0.5], max_position=0, top_p=False)
-    assert launched.results.shape == (8, 2) and launched.results.is_contiguous()
-    assert decoder.out[:8].is_contiguous()
-    tokens, _ = decoder.collect(launched)
+    assert launched.results.shape == (1, 8, 2) and launched.results.is_contiguous()
+    (tokens,), _ = decoder.collect(launched)
     assert tokens == decoder.tokens[[3, 6]].tolist()  # the fed-back inputs are the samples
+
+
+def test_a_launch_of_several_steps_is_those_steps_one_at_a_time(preset_path: Path) -> None:
+    """A decoder of 3 steps per launch samples what 3 one-step launches sample from the same
+    draws (each step feeds the next on the device), and its launch's results are one
+    contiguous [steps, rows, 2] block in the rows bucket (8, of 32 slots)."""
+    model = load_causal_lm(preset_path, device="cpu", dtype="float32")
+    single = StaticDecoder(model, slots=32, max_len=24, use_graphs=False, compile_step=False)
+    triple = StaticDecoder(
+        model, slots=32, max_len=24, use_graphs=False, compile_step=False, steps=3
+    )
+    slots, prompts = [3, 0, 6], [[5, 6, 7], [9, 10], [4, 11, 12, 13]]
+    for decoder in (single, triple):
+        _admit(decoder, slots, prompts, [0.0, 1.0, 0.7], [1.0, 1.0, 1.0])
+    generator = torch.Generator().manual_seed(3)
+    draws = torch.rand(2, len(slots), 3, generator=generator).tolist()  # [launch][slot][step]
+    expected_tokens, expected_logprobs = [], []
+    for launch in range(2):
+        for step in range(3):
+            (tokens,), (logprobs,) = single.step(
+                slots,
+                [row[step] for row in draws[launch]],
+                max_position=3 + 3 * launch + step,
+                top_p=False,
+            )
+            expected_tokens.append(tokens)
+            expected_logprobs.append(logprobs)
+    actual_tokens, actual_logprobs = [], []
+    for launch in range(2):
+        launched = triple.launch(slots, draws[launch], max_position=3 + 3 * launch, top_p=False)
+        assert launched.results.shape == (3, 8, 2) and launched.results.is_contiguous()
+        tokens, logprobs = triple.collect(launched)
+        actual_tokens += tokens
+        actual_logprobs += logprobs
+    assert actual_tokens == expected_tokens
+    assert len({token for step in actual_tokens for token in step}) > 3  # not one repeated token
+    flat = [
+        abs(a - b)
+        for x, y in zip(actual_logprobs, expected_logprobs, strict=True)
+        for a, b in zip(x, y, strict=True)
+    ]
+    assert max(flat) < 1e-5
+    assert torch.equal(triple.positions[slots], single.positions[slots])
+    assert torch.equal(triple.tokens[slots], single.tokens[slots])
+    with pytest.raises(ValueError, match="steps per launch must be >= 1"):
+        StaticDecoder(model, slots=2, max_len=8, use_graphs=False, compile_step=False, steps=0)
 
 
 def test_two_level_sampler_is_the_plain_inverse_cdf(preset_path: Path) -> None:
@@ -218,6 +263,52 @@ def test_buckets_and_unsupported_models(preset_path: Path) -> None:
     assert "yarn" in (unsupported_reason(model) or "")
     with pytest.raises(ValueError, match="does not support"):
         StaticDecoder(model, slots=2, max_len=8, use_graphs=False, compile_step=False)
+
+
+def test_seeded_requests_sample_the_same_tokens_whatever_the_steps_per_launch(
+    preset_path: Path,
+) -> None:
+    """Each row draws its uniforms in the order of its steps: 1, 2 or 5 steps per launch (rows
+    ending inside a launch, others joining at its boundaries) give a seeded request the same
+    tokens and logprobs, stop tokens and length limits included."""
+    prompts = [[5, 6, 7, 14], [9, 14], [4], [10, 11, 12, 13, 5, 6, 14]]
+    requests = [
+        GenerationRequest(f"r{i}", prompts[i % 4], max_new_tokens=3 + 2 * i, seed=i)
+        for i in range(7)
+    ]
+
+    def run(steps: int, stop: tuple[int, ...]) -> list[GenerationResult]:
+        engine = TorchGenerationEngine(
+            preset_path,
+            device="cpu",
+            cuda_graphs="on",
+            max_batch_size=3,
+            steps_per_launch=steps,
+            pipeline_steps=True,
+            eos_token_ids=stop,
+        )
+        assert engine.steps_per_launch == steps
+
+        async def body() -> list[GenerationResult]:
+            try:
+                return await engine.generate(requests)
+            finally:
+                await engine.shutdown()
+
+        return asyncio.run(body())
+
+    # A stop token the longest completion samples at its third step: it ends some requests.
+    stop = (run(1, ())[-1].token_ids[2],)
+    reference = run(1, stop)
+    assert {result.finish_reason for result in reference} == {"stop", "length"}
+    for steps in (2, 5):
+        for expected, actual in zip(reference, run(steps, stop), strict=True):
+            assert actual.token_ids == expected.token_ids
+            assert actual.finish_reason == expected.finish_reason
+            assert (
+                max(abs(a - b) for a, b in zip(actual.logprobs, expected.logprobs, strict=True))
+                < 1e-5
+            )
 
 
 def test_static_path_admits_a_quarter_of_its_slots_by_default(preset_path: Path) -> None:
@@ -287,14 +378,23 @@ def _assert_steps_match(
     stride: int,
     top_p: bool,
 ) -> None:
-    """``steps`` decode steps of both decoders draw the same tokens, logprobs within 1e-4."""
-    for step in range(steps):
-        uniforms = [((step * stride + slot) % 10) / 10 + 0.05 for slot in slots]
-        position = 3 + step
+    """``steps`` launches of both decoders (``eager.steps`` decode steps each) draw the same
+    tokens, logprobs within 1e-4."""
+    per_launch = eager.steps
+    for launch in range(steps):
+        uniforms = [
+            [
+                (((launch * per_launch + k) * stride + slot) % 10) / 10 + 0.05
+                for k in range(per_launch)
+            ]
+            for slot in slots
+        ]
+        position = 3 + launch * per_launch
         expected = eager.step(slots, uniforms, max_position=position, top_p=top_p)
         actual = graphed.step(slots, uniforms, max_position=position, top_p=top_p)
         assert actual[0] == expected[0]
-        assert max(abs(a - b) for a, b in zip(actual[1], expected[1], strict=True)) < 1e-4
+        for actual_step, expected_step in zip(actual[1], expected[1], strict=True):
+            assert max(abs(a - b) for a, b in zip(actual_step, expected_step, strict=True)) < 1e-4
 
 
 @cuda_only
@@ -314,6 +414,26 @@ def test_graph_replay_matches_eager_step(
     for decoder in (eager, graphed):
         _admit(decoder, slots, prompts, [0.0, 1.0, 0.8, 0.0, 1.2], [1.0, 0.9, 1.0, 1.0, 0.5])
     _assert_steps_match(eager, graphed, slots, steps=12, stride=7, top_p=True)
+    assert graphed.graph_count >= 1
+
+
+@cuda_only
+@pytest.mark.parametrize("top_p", [False, True])
+def test_graph_of_several_steps_matches_eager_steps(preset_path: Path, top_p: bool) -> None:
+    """One graph replay runs 4 decode steps (compiled), each fed by the one before on the
+    device: the same tokens as the eager decoder's 4 steps."""
+    model = load_causal_lm(preset_path, device="cuda", dtype="float32")
+    eager = StaticDecoder(
+        model, slots=16, max_len=64, use_graphs=False, compile_step=False, steps=4
+    )
+    graphed = StaticDecoder(
+        model, slots=16, max_len=64, use_graphs=True, compile_step=True, steps=4
+    )
+    prompts = [[5 + i, 6, 7 + i, 8][: 2 + i % 3] for i in range(5)]
+    slots = [0, 3, 4, 9, 2]
+    for decoder in (eager, graphed):
+        _admit(decoder, slots, prompts, [0.0, 1.0, 0.8, 0.0, 1.2], [1.0, 0.9, 1.0, 1.0, 0.5])
+    _assert_steps_match(eager, graphed, slots, steps=5, stride=7, top_p=top_p)
     assert graphed.graph_count >= 1
 
 

@@ -67,11 +67,13 @@ def new_model(model_path: Path, new_weights: dict[str, torch.Tensor]) -> PreTrai
 
 # Every engine test runs on both decode paths: the dynamic batch ("off") and the static slot
 # table of static_decode ("on": on CPU the same step as the CUDA graphs, run eagerly), the
-# latter with and without one step in flight while the host records the previous one.
+# latter with and without one launch in flight while the host records the previous one, and
+# with 3 decode steps per launch (rows join and leave every 3 steps; CUDA's default is 4).
 DECODE_PATHS = {
     "off": {"cuda_graphs": "off"},
     "static": {"cuda_graphs": "on", "pipeline_steps": True},
     "static-unpipelined": {"cuda_graphs": "on", "pipeline_steps": False},
+    "static-3-per-launch": {"cuda_graphs": "on", "pipeline_steps": True, "steps_per_launch": 3},
 }
 DECODE_PATH: dict[str, object] = {}
 
@@ -364,8 +366,13 @@ def test_admission_waits_for_a_group_of_free_rows(
         results = await engine.generate(requests)
         assert engine.stats.max_running_batch == 4
         # One admission of 4, then one per freed row, or one per admission_batch freed rows
-        # and a last one for what is left (all of it fits).
-        assert engine.stats.admissions == (5 if admission_batch == 1 else 3)
+        # and a last one for what is left (all of it fits). Three steps per launch free the
+        # rows two at a time (lengths 2 and 3 end in the first launch, 4 and 5 in the second):
+        # 4, 2, 2 by ones; by threes, 4, then 4 once the batch is empty.
+        if engine.steps_per_launch == 1:
+            assert engine.stats.admissions == (5 if admission_batch == 1 else 3)
+        else:
+            assert engine.stats.admissions == (3 if admission_batch == 1 else 2)
         for request, result in zip(requests, results, strict=True):
             assert result.token_ids == greedy_reference(
                 model, request.prompt_token_ids, request.max_new_tokens, eos=None
@@ -379,6 +386,10 @@ def test_admission_waits_for_a_group_of_free_rows(
 def test_admission_batch_must_be_positive(model_path: Path) -> None:
     with pytest.raises(ValueError, match=r"policy\.generation\.torch\.admission_batch"):
         TorchGenerationEngine(model_path, device="cpu", admission_batch=0)
+    with pytest.raises(ValueError, match=r"policy\.generation\.torch\.steps_per_launch=0"):
+        TorchGenerationEngine(model_path, device="cpu", steps_per_launch=0)
+    # Default: one step per launch on CPU, where steps run eagerly.
+    assert TorchGenerationEngine(model_path, device="cpu", cuda_graphs="on").steps_per_launch == 1
 
 
 # --------------------------------------------------------------------------- weight updates
@@ -585,7 +596,11 @@ def test_caller_cancelled_while_queued_is_never_decoded(model_path: Path) -> Non
 
 def test_create_generation_backend_follows_policy_config(model_path: Path) -> None:
     cfg = PolicyConfig.model_validate(
-        {"device": "cpu", "precision": "float32", "generation": {"max_batch_size": 3}}
+        {
+            "device": "cpu",
+            "precision": "float32",
+            "generation": {"max_batch_size": 3, "torch": {"steps_per_launch": 2}},
+        }
     )
 
     async def main() -> None:
@@ -596,6 +611,7 @@ def test_create_generation_backend_follows_policy_config(model_path: Path) -> No
         assert engine.max_batch_size == 3
         assert engine.recompute_kv_cache_after_weight_updates
         assert engine.device.type == "cpu" and engine.model.dtype == torch.float32
+        assert engine.steps_per_launch == 2 and engine.static_decode
         results = await engine.generate(
             [GenerationRequest(f"r{i}", p, 2) for i, p in enumerate(PROMPTS)]
         )
