@@ -139,7 +139,7 @@ class EngineHost(WeightReceiverHost):
         max_seq_len: int | None = None,
         free_cache_on_sleep: bool = True,
         sm_share: Any = None,
-        steps_per_launch: int | None = None,
+        steps_per_launch: int = 1,
     ) -> None:
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))

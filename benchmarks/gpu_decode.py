@@ -188,7 +188,7 @@ async def bench_engine(
     admission_batch: int | None = None,
     workload: str = "uniform",
     bandwidth: float | None = None,
-    per_launch: int | None = None,
+    per_launch: int = 1,
 ) -> dict[str, Any]:
     """``uniform``: ``rows`` requests of ``steps`` tokens, admitted at once; ``longtail``:
     4 x ``rows`` requests of lognormal lengths (median ``steps / 2``, at most ``2 x steps``).

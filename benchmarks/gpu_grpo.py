@@ -951,9 +951,9 @@ def main() -> None:
     parser.add_argument(
         "--steps-per-launch",
         type=int,
-        default=None,
+        default=1,
         help="policy.generation.torch.steps_per_launch of the GRPO rows' engines: decode steps "
-        "per graph replay and host wait (default: the engine's, 4 on CUDA)",
+        "per graph replay and host wait",
     )
     parser.add_argument("--ceil-tflops", type=float, default=784.0)
     parser.add_argument("--ceil-tbps", type=float, default=4.22)
@@ -979,7 +979,7 @@ def main() -> None:
         "sm_carveout": args.sm_carveout,
         "blas_library": args.blas_library,
         "engine_stream": args.engine_stream,
-        "steps_per_launch": args.steps_per_launch or torch_engine.CUDA_STEPS_PER_LAUNCH,
+        "steps_per_launch": args.steps_per_launch,
     }
     emit(args.out, "env", summary)
     peak, bandwidth = args.ceil_tflops, args.ceil_tbps

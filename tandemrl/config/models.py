@@ -79,9 +79,8 @@ class TorchGenerationConfig(Strict):
     # (max_batch_size, or the static cache's slots when it holds fewer).
     admission_batch: int | None = Field(None, ge=1)
     # Static path: decode steps queued per launch (one CUDA graph replay, one host wait):
-    # less host work per token, at the cost of finished rows computed to the launch's end.
-    # None: 4 on CUDA, 1 on CPU.
-    steps_per_launch: int | None = Field(None, ge=1)
+    # less host work per token, at the cost of rows that finish waiting for the launch's end.
+    steps_per_launch: int = Field(1, ge=1)
 
 
 class GenerationConfig(Strict):

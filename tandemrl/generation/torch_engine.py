@@ -59,11 +59,13 @@ Two decode paths, one contract:
   re-prefills the running rows into their slots; ``sleep`` drops the cache and the graphs, and
   the first step after ``wake`` rebuilds both. On CPU the same step runs eagerly, one step at a
   time (no step in flight: nothing runs asynchronously there).
-  On CUDA one engine step *launches* ``steps_per_launch`` decode steps at once (one graph
+  One engine step *launches* ``steps_per_launch`` decode steps at once (on CUDA one graph
   replay, one upload of the draws, one download of the results, one wait): the host's work
-  per token shrinks by that factor, which is what a trainer thread sharing the process
-  competes with. Rows join and leave at launch boundaries; a row that finishes inside a launch
-  keeps its slot (computed, its tokens dropped) to the launch's end.
+  per token shrinks by that factor. Rows join and leave at launch boundaries; a row that
+  finishes inside a launch keeps its slot (computed, its tokens dropped) to the launch's end,
+  and its result waits for that end. On the H200 (docs/benchmarks.md, session 9) 4 steps a
+  launch made a full 256-row batch's steady step 1% faster and GRPO's async steps 4-8%
+  slower (later results, later weight updates), so the default is 1.
 - *dynamic* (``"off"``, other architectures, CPU models whose static cache would be large):
   the left-padded batch over a transformers ``DynamicCache`` described above.
 
@@ -111,8 +113,6 @@ CUDA_GRAPH_MODES = ("auto", "on", "off")
 DEFAULT_STATIC_MAX_SEQ_LEN = 4096
 # cuda_graphs="auto" on CPU takes the static path when its preallocated cache fits in this.
 CPU_STATIC_CACHE_BYTES = 256 * 2**20
-# Decode steps per launch on CUDA when steps_per_launch is None (CPU: 1, see __init__).
-CUDA_STEPS_PER_LAUNCH = 4
 
 
 @dataclass
@@ -191,7 +191,7 @@ class TorchGenerationEngine(GenerationBackend):
         admission_batch: int | None = None,
         free_cache_on_sleep: bool = True,
         sm_share: SmShare | None = None,
-        steps_per_launch: int | None = None,
+        steps_per_launch: int = 1,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -204,7 +204,7 @@ class TorchGenerationEngine(GenerationBackend):
             raise ValueError(
                 f"policy.generation.torch.admission_batch={admission_batch}: must be >= 1"
             )
-        if steps_per_launch is not None and steps_per_launch < 1:
+        if steps_per_launch < 1:
             raise ValueError(
                 f"policy.generation.torch.steps_per_launch={steps_per_launch}: must be >= 1"
             )
@@ -290,11 +290,7 @@ class TorchGenerationEngine(GenerationBackend):
         )
         self._use_graphs = self.static_decode and self.device.type == "cuda"
         self._compile_step = self._use_graphs and compile_step
-        # Decode steps per launch (module docstring). None: CUDA_STEPS_PER_LAUNCH on CUDA; 1 on
-        # CPU, where steps run eagerly (nothing to share out) and a finished row's extra steps
-        # would be pure loss.
-        if steps_per_launch is None:
-            steps_per_launch = CUDA_STEPS_PER_LAUNCH if self.device.type == "cuda" else 1
+        # Decode steps per launch (module docstring); the dynamic path decodes one at a time.
         self.steps_per_launch = steps_per_launch if self.static_decode else 1
         self.slots = self._plan_slots(kv_cache_memory_fraction) if self.static_decode else 0
         self._free_slots = list(range(self.slots))

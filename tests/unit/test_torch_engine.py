@@ -68,7 +68,7 @@ def new_model(model_path: Path, new_weights: dict[str, torch.Tensor]) -> PreTrai
 # Every engine test runs on both decode paths: the dynamic batch ("off") and the static slot
 # table of static_decode ("on": on CPU the same step as the CUDA graphs, run eagerly), the
 # latter with and without one launch in flight while the host records the previous one, and
-# with 3 decode steps per launch (rows join and leave every 3 steps; CUDA's default is 4).
+# with 3 decode steps per launch (rows join and leave every 3 steps).
 DECODE_PATHS = {
     "off": {"cuda_graphs": "off"},
     "static": {"cuda_graphs": "on", "pipeline_steps": True},
@@ -388,7 +388,6 @@ def test_admission_batch_must_be_positive(model_path: Path) -> None:
         TorchGenerationEngine(model_path, device="cpu", admission_batch=0)
     with pytest.raises(ValueError, match=r"policy\.generation\.torch\.steps_per_launch=0"):
         TorchGenerationEngine(model_path, device="cpu", steps_per_launch=0)
-    # Default: one step per launch on CPU, where steps run eagerly.
     assert TorchGenerationEngine(model_path, device="cpu", cuda_graphs="on").steps_per_launch == 1
 
 
