@@ -211,6 +211,10 @@ def bucket(value: int, minimum: int, cap: int) -> int:
     return min(size, cap)
 
 
+# A launch's uniforms, per slot: one draw, or one per step of the launch.
+Draws = Sequence[float] | Sequence[Sequence[float]]
+
+
 @dataclass
 class LaunchedStep:
     """A launch's decode steps queued on the device (``StaticDecoder.launch``)."""
@@ -470,7 +474,7 @@ class StaticDecoder:
 
     @torch.inference_mode()
     def step(
-        self, slots: Sequence[int], uniforms: Any, max_position: int, top_p: bool
+        self, slots: Sequence[int], uniforms: Draws, max_position: int, top_p: bool
     ) -> tuple[list[list[int]], list[list[float]]]:
         """One launch (``steps`` decode steps); see ``launch`` and ``collect``."""
         return self.collect(self.launch(slots, uniforms, max_position, top_p))
@@ -488,7 +492,7 @@ class StaticDecoder:
 
     @torch.inference_mode()
     def launch(
-        self, slots: Sequence[int], uniforms: Any, max_position: int, top_p: bool
+        self, slots: Sequence[int], uniforms: Draws, max_position: int, top_p: bool
     ) -> LaunchedStep:
         """Queue one launch (``steps`` decode steps) on the device; return without waiting.
 
