@@ -64,7 +64,7 @@ Two decode paths, one contract:
   per token shrinks by that factor. Rows join and leave at launch boundaries; a row that
   finishes inside a launch keeps its slot (computed, its tokens dropped) to the launch's end,
   and its result waits for that end. On the H200 (docs/benchmarks.md, session 9) 4 steps a
-  launch made a full 256-row batch's steady step 1% faster and GRPO's async steps 4-8%
+  launch made a full 256-row batch's steady step 1-2% faster and GRPO's async steps 4-10%
   slower (later results, later weight updates), so the default is 1.
 - *dynamic* (``"off"``, other architectures, CPU models whose static cache would be large):
   the left-padded batch over a transformers ``DynamicCache`` described above.
