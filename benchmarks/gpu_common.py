@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -140,6 +141,7 @@ class EngineHost(WeightReceiverHost):
         free_cache_on_sleep: bool = True,
         sm_share: Any = None,
         steps_per_launch: int = 1,
+        gpu_turns: Any = None,
     ) -> None:
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))
@@ -162,12 +164,17 @@ class EngineHost(WeightReceiverHost):
         self.created_at = time.perf_counter()
         step = self.engine._step
 
+        # ``gpu_turns`` (a lock, gpu_grpo's shared_gpu_turns): each step holds it, and so does
+        # each trainer call, so the two never have work on the GPU at once.
+        turns = gpu_turns if gpu_turns is not None else contextlib.nullcontext()
+
         def timed_step(admit: list[Any]) -> list[Any]:
-            started = time.perf_counter()
-            try:
-                return step(admit)
-            finally:
-                self.step_busy_s += time.perf_counter() - started
+            with turns:
+                started = time.perf_counter()
+                try:
+                    return step(admit)
+                finally:
+                    self.step_busy_s += time.perf_counter() - started
 
         # The engine looks its step up at call time; timing it here measures decode busy time.
         self.engine._step = timed_step  # type: ignore[method-assign]

@@ -27,7 +27,10 @@ Parts (``--part``, several allowed; each prints ``RESULT {json}`` and writes ``<
   trainer's thread (``--engine-stream default`` puts it back on the trainer's stream).
   ``shared_gpu_split`` is ``shared_gpu`` with the SMs split between the two
   (``tandemrl.sm_partition``): the engine decodes on ``--engine-sms`` of them, the trainer runs
-  on the rest, so neither waits for the other's blocks.
+  on the rest, so neither waits for the other's blocks. ``shared_gpu_turns`` is ``shared_gpu``
+  with the GPU taken in turns: each engine step (one decode launch) and each trainer call
+  holds one lock, and the trainer waits for the device before and after its call, so decode
+  and training never run at once but the engine keeps decoding whenever the trainer is idle.
 
     python benchmarks/gpu_grpo.py --part ceilings decode train sync grpo --out runs/gpu
     python benchmarks/gpu_grpo.py --size tiny --part decode train sync grpo   # CPU smoke
@@ -45,6 +48,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -620,6 +624,28 @@ def sm_split(device: torch.device, engine_sms: int) -> tuple[SmShare, SmShare]:
     return split_sms(device, engine_sms)
 
 
+def take_turns(worker: PolicyWorker) -> threading.Lock:
+    """A lock the worker's every call holds (shared_gpu_turns), waiting for the device before
+    it starts (the engine's decode launch in flight) and before it lets go (its own kernels);
+    the engine's steps hold it too (``EngineHost(gpu_turns=...)``)."""
+    turns = threading.Lock()
+    call = worker._executor._locked
+    cuda = torch.cuda.is_available()  # on CPU every call is synchronous already
+
+    def in_turn(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        with turns:
+            if cuda:
+                torch.cuda.synchronize()
+            try:
+                return call(fn, *args, **kwargs)
+            finally:
+                if cuda:
+                    torch.cuda.synchronize()
+
+    worker._executor._locked = in_turn  # type: ignore[method-assign]
+    return turns
+
+
 def run_grpo(
     folder: Path, mode: str, placement: str, args: argparse.Namespace, peak: float
 ) -> dict:
@@ -640,6 +666,7 @@ def run_grpo(
         engine_share, worker._executor.sm_share = sm_split(trainer_device, args.engine_sms)
         if args.split_engine == "whole":
             engine_share = None  # the engine decodes on every SM, the trainer on its share
+    gpu_turns = take_turns(worker) if placement == "shared_gpu_turns" else None
     trainer = TimedTrainer(worker)
     sender = FlatWeightSender(worker.model, torch.bfloat16)
     engines: list[Any] = []
@@ -654,6 +681,8 @@ def run_grpo(
         engine_kwargs["free_cache_on_sleep"] = cfg.policy.generation.colocated.free_cache_on_sleep
         if engine_share is not None:
             engine_kwargs["sm_share"] = engine_share
+        if gpu_turns is not None:
+            engine_kwargs["gpu_turns"] = gpu_turns
         if remote_engine:
             remotes.append(RemoteObject(make_engine_host, engine_kwargs))
             engines.append(remotes[-1])
@@ -905,6 +934,7 @@ def main() -> None:
             "colocated_kept",
             "shared_gpu",
             "shared_gpu_split",
+            "shared_gpu_turns",
             "two_processes",
             "two_processes_paused",
             "two_gpus",
