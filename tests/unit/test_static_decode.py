@@ -397,6 +397,22 @@ def _assert_steps_match(
             assert max(abs(a - b) for a, b in zip(actual_step, expected_step, strict=True)) < 1e-4
 
 
+def _five_rows_eager_and_graphed(
+    preset_path: Path, compile_step: bool, *, steps: int
+) -> tuple[StaticDecoder, StaticDecoder, list[int]]:
+    """An eager and a graphed decoder (CUDA, ``steps`` decode steps a launch) with the same five
+    rows admitted (greedy, tempered and top-p rows; slots out of order); and those slots."""
+    model = load_causal_lm(preset_path, device="cuda", dtype="float32")
+    options = {"slots": 16, "max_len": 64, "steps": steps}
+    eager = StaticDecoder(model, use_graphs=False, compile_step=False, **options)
+    graphed = StaticDecoder(model, use_graphs=True, compile_step=compile_step, **options)
+    prompts = [[5 + i, 6, 7 + i, 8][: 2 + i % 3] for i in range(5)]
+    slots = [0, 3, 4, 9, 2]
+    for decoder in (eager, graphed):
+        _admit(decoder, slots, prompts, [0.0, 1.0, 0.8, 0.0, 1.2], [1.0, 0.9, 1.0, 1.0, 0.5])
+    return eager, graphed, slots
+
+
 @cuda_only
 @pytest.mark.parametrize("compile_step", [False, True])
 @pytest.mark.parametrize("down_splits", [1, 2])
@@ -406,13 +422,7 @@ def test_graph_replay_matches_eager_step(
     monkeypatch.setattr(static_decode, "DOWN_SPLITS", down_splits)
     monkeypatch.setattr(static_decode, "O_SPLITS", down_splits)
     monkeypatch.setattr(static_decode, "QKV_SPLITS", down_splits)
-    model = load_causal_lm(preset_path, device="cuda", dtype="float32")
-    eager = StaticDecoder(model, slots=16, max_len=64, use_graphs=False, compile_step=False)
-    graphed = StaticDecoder(model, slots=16, max_len=64, use_graphs=True, compile_step=compile_step)
-    prompts = [[5 + i, 6, 7 + i, 8][: 2 + i % 3] for i in range(5)]
-    slots = [0, 3, 4, 9, 2]
-    for decoder in (eager, graphed):
-        _admit(decoder, slots, prompts, [0.0, 1.0, 0.8, 0.0, 1.2], [1.0, 0.9, 1.0, 1.0, 0.5])
+    eager, graphed, slots = _five_rows_eager_and_graphed(preset_path, compile_step, steps=1)
     _assert_steps_match(eager, graphed, slots, steps=12, stride=7, top_p=True)
     assert graphed.graph_count >= 1
 
@@ -422,17 +432,7 @@ def test_graph_replay_matches_eager_step(
 def test_graph_of_several_steps_matches_eager_steps(preset_path: Path, top_p: bool) -> None:
     """One graph replay runs 4 decode steps (compiled), each fed by the one before on the
     device: the same tokens as the eager decoder's 4 steps."""
-    model = load_causal_lm(preset_path, device="cuda", dtype="float32")
-    eager = StaticDecoder(
-        model, slots=16, max_len=64, use_graphs=False, compile_step=False, steps=4
-    )
-    graphed = StaticDecoder(
-        model, slots=16, max_len=64, use_graphs=True, compile_step=True, steps=4
-    )
-    prompts = [[5 + i, 6, 7 + i, 8][: 2 + i % 3] for i in range(5)]
-    slots = [0, 3, 4, 9, 2]
-    for decoder in (eager, graphed):
-        _admit(decoder, slots, prompts, [0.0, 1.0, 0.8, 0.0, 1.2], [1.0, 0.9, 1.0, 1.0, 0.5])
+    eager, graphed, slots = _five_rows_eager_and_graphed(preset_path, True, steps=4)
     _assert_steps_match(eager, graphed, slots, steps=5, stride=7, top_p=top_p)
     assert graphed.graph_count >= 1
 
