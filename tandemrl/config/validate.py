@@ -138,6 +138,14 @@ class _Checker:
                 f"policy.generation.torch: set, but backend is {generation.backend!r} — these "
                 "keys configure the torch engine only; remove them or use backend torch"
             )
+        torch_cfg = generation.torch
+        if torch_cfg.steps_per_launch > 1 and torch_cfg.cuda_graphs == "off":
+            self.error(
+                f"policy.generation.torch.steps_per_launch={torch_cfg.steps_per_launch}: only "
+                "the static decode path launches several steps, and "
+                "policy.generation.torch.cuda_graphs=off turns it off; set steps_per_launch: 1 "
+                "or cuda_graphs: auto"
+            )
 
     def check_data_plane(self) -> None:
         data_plane = self.cfg.data_plane

@@ -291,6 +291,13 @@ class TorchGenerationEngine(GenerationBackend):
         self._use_graphs = self.static_decode and self.device.type == "cuda"
         self._compile_step = self._use_graphs and compile_step
         # Decode steps per launch (module docstring); the dynamic path decodes one at a time.
+        if steps_per_launch > 1 and not self.static_decode:
+            logger.warning(
+                "policy.generation.torch.steps_per_launch=%d ignored: this engine decodes "
+                "through the transformers cache (cuda_graphs=%r), one step at a time",
+                steps_per_launch,
+                cuda_graphs,
+            )
         self.steps_per_launch = steps_per_launch if self.static_decode else 1
         self.slots = self._plan_slots(kv_cache_memory_fraction) if self.static_decode else 0
         self._free_slots = list(range(self.slots))

@@ -660,6 +660,15 @@ def test_torch_engine_keys_need_backend_torch():
     assert warnings("policy.generation.torch.max_seq_len=512") == []
 
 
+def test_several_steps_per_launch_need_the_static_path():
+    messages = errors(
+        "policy.generation.torch.cuda_graphs=off", "policy.generation.torch.steps_per_launch=4"
+    )
+    find(messages, "policy.generation.torch.steps_per_launch=4", "cuda_graphs=off")
+    assert warnings("policy.generation.torch.steps_per_launch=4") == []
+    find(errors("policy.generation.torch.steps_per_launch=0"), "steps_per_launch")
+
+
 def test_torch_colocated_and_fake_backends_are_allowed():
     assert warnings("policy.generation.colocated.enabled=true") == []
     assert warnings("policy.generation.backend=fake") == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from pathlib import Path
 
@@ -323,9 +324,18 @@ def test_static_path_admits_a_quarter_of_its_slots_by_default(preset_path: Path)
     assert explicit.admission_batch == 1
 
 
-def test_engine_knob_refuses_unsupported_model_and_bad_values(preset_path: Path) -> None:
+def test_engine_knob_refuses_unsupported_model_and_bad_values(
+    preset_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     with pytest.raises(ValueError, match=r"cuda_graphs='sometimes'"):
         TorchGenerationEngine(preset_path, device="cpu", cuda_graphs="sometimes")
+    # Several steps per launch are the static path's; the transformers-cache path says so.
+    with caplog.at_level(logging.WARNING, logger=torch_engine.__name__):
+        dynamic = TorchGenerationEngine(
+            preset_path, device="cpu", cuda_graphs="off", steps_per_launch=3
+        )
+    assert dynamic.steps_per_launch == 1
+    assert "policy.generation.torch.steps_per_launch=3 ignored" in caplog.text
     engine = TorchGenerationEngine(preset_path, device="cpu", cuda_graphs="on", max_seq_len=12)
     assert engine.static_decode and engine.slots == engine.max_batch_size
 
