@@ -18,8 +18,9 @@ Three measurements on a random-init Qwen2 of a real size (``gpu_common.QWEN2_SIZ
 (``decode_attention.py``, the default) or as the torch reference (two batched products around
 a softmax); the graph and engine rows are measured for each. ``--sampler kernel torch``: the
 sampling draw as one Triton kernel (``decode_sampler.py``) or as the torch passes.
-``--step-variants``: forms of the step as ``ROPE:SPLITS[:O_SPLITS[:QKV_SPLITS]]``
+``--step-variants``: forms of the step as ``ROPE:SPLITS[:O_SPLITS[:QKV_SPLITS[:KV_WRITE]]]``
 (``static_decode.ROPE_IN_ATTENTION`` 0/1: the queries rotated inside the attention kernel;
+``KV_WRITE`` 0/1: ``static_decode.KV_WRITE_IN_ATTENTION``, the new keys/values written by it;
 ``static_decode.DOWN_SPLITS`` / ``O_SPLITS`` / ``QKV_SPLITS``: the down / output / QKV
 projection as that many partial products, 1 when left out); the graph rows are measured for each.
 ``--compile-modes``: ``torch.compile`` modes of the graph's compiled step (``default``,
@@ -375,11 +376,13 @@ def set_attention_launch(shape: tuple[int, ...]) -> None:
 
 
 def set_step_variant(variant: str) -> None:
-    """``ROPE:SPLITS[:O_SPLITS[:QKV_SPLITS]]`` (see ``--step-variants``) into the switches."""
+    """``ROPE:SPLITS[:O_SPLITS[:QKV_SPLITS[:KV_WRITE]]]`` (see ``--step-variants``) into the
+    switches."""
     rope, splits, *rest = variant.split(":")
     static_decode.ROPE_IN_ATTENTION, static_decode.DOWN_SPLITS = rope == "1", int(splits)
     static_decode.O_SPLITS = int(rest[0]) if rest else 1
     static_decode.QKV_SPLITS = int(rest[1]) if len(rest) > 1 else 1
+    static_decode.KV_WRITE_IN_ATTENTION = rest[2] == "1" if len(rest) > 2 else False
 
 
 def main() -> None:
@@ -431,8 +434,9 @@ def main() -> None:
         "--step-variants",
         nargs="+",
         default=None,
-        help="ROPE:SPLITS[:O_SPLITS[:QKV_SPLITS]] forms of the decode step to time (default: the "
-        "module's defaults)",
+        help="ROPE:SPLITS[:O_SPLITS[:QKV_SPLITS[:KV_WRITE]]] forms of the decode step to time "
+        "(KV_WRITE 1: the attention kernel writes the new keys/values; default: the module's "
+        "defaults)",
     )
     parser.add_argument("--profile-prefill", action="store_true")
     parser.add_argument("--skip-graph", action="store_true")
@@ -459,6 +463,7 @@ def main() -> None:
         defaults = (
             f"{int(static_decode.ROPE_IN_ATTENTION)}:{static_decode.DOWN_SPLITS}"
             f":{static_decode.O_SPLITS}:{static_decode.QKV_SPLITS}"
+            f":{int(static_decode.KV_WRITE_IN_ATTENTION)}"
         )
         graph_variants = [
             (a, s_, c, m, shape, v, k)

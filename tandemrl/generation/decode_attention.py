@@ -15,7 +15,12 @@ attended-length bucket of every row: four or five kernels a layer, each reading 
   nothing is copied or repeated for the grouped heads;
 - with ``cos``/``sin`` given, the query is rotated (rotary embedding, the rotate-half form)
   as it is loaded, in float32 and rounded once to the query's dtype, so the decode step needs
-  no separate kernel for it.
+  no separate kernel for it;
+- with ``new_k``/``new_v`` given (the step's own key, unrotated, and value of each row and KV
+  head), the program first writes them into the cache at the row's position (the key rotated
+  like the query) and then attends over them with the rest: the step needs no kernel of its
+  own for the cache write either. The program that reads that position writes it (the split
+  holding it), and a barrier orders the write before its reads.
 
 float32 inputs take IEEE products (no TF32), so a float32 engine stays exact enough for the
 CPU-vs-GPU greedy comparisons of the tests; bf16 inputs take the tensor cores. On CPU, or when
@@ -70,6 +75,45 @@ def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return x * cos + rotated * sin
 
 
+def _check_new_kv(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    cos: torch.Tensor | None,
+    new_k: torch.Tensor | None,
+    new_v: torch.Tensor | None,
+) -> None:
+    if (new_k is None) != (new_v is None):
+        raise ValueError("decode attention: new_k and new_v are given together or not at all")
+    if new_k is None or new_v is None:
+        return
+    if cos is None:
+        raise ValueError("decode attention: new_k needs cos/sin (the new keys are rotated here)")
+    expected = (q.shape[0], keys.shape[1], q.shape[2])
+    if tuple(new_k.shape) != expected or tuple(new_v.shape) != expected:
+        raise ValueError(
+            f"decode attention: new_k/new_v must be [rows, kv_heads, head_dim] = {list(expected)},"
+            f" got {list(new_k.shape)} and {list(new_v.shape)}"
+        )
+
+
+def write_new_kv(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    new_k: torch.Tensor,
+    new_v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> None:
+    """Slot r's key ``new_k[r]`` rotated by ``cos[r]``/``sin[r]``, and its value ``new_v[r]``,
+    into ``keys``/``values`` [slots, kv_heads, max_len, D] at position ``positions[r]``."""
+    rows = new_k.shape[0]
+    slots = torch.arange(rows, device=keys.device)
+    at = positions[:rows]
+    keys[slots, :, at] = rotate_half(new_k, cos, sin).to(keys.dtype)
+    values[slots, :, at] = new_v.to(values.dtype)
+
+
 def reference_decode_attention(
     q: torch.Tensor,
     keys: torch.Tensor,
@@ -79,10 +123,13 @@ def reference_decode_attention(
     scale: float,
     cos: torch.Tensor | None = None,
     sin: torch.Tensor | None = None,
+    new_k: torch.Tensor | None = None,
+    new_v: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[rows, heads, D] attention of ``q`` over ``keys``/``values`` [slots, kv_heads, max_len, D]
     (the first ``rows`` slots), positions ``0..positions[r]`` within the first ``length``.
-    ``cos``/``sin`` ([rows, 1, D]): rotate ``q`` by them first.
+    ``cos``/``sin`` ([rows, 1, D]): rotate ``q`` by them first. ``new_k``/``new_v`` ([rows,
+    kv_heads, D]): write them first (``write_new_kv``; needs ``cos``/``sin``).
 
     The query heads that share a KV head are that head's "query positions" (no repeat). Two
     batched products around a float32 softmax; torch's fused attention with this mask ran
@@ -90,6 +137,9 @@ def reference_decode_attention(
     """
     if (cos is None) != (sin is None):
         raise ValueError("decode attention: cos and sin are given together or not at all")
+    _check_new_kv(q, keys, cos, new_k, new_v)
+    if new_k is not None and new_v is not None and cos is not None and sin is not None:
+        write_new_kv(keys, values, positions, new_k, new_v, cos, sin)
     if cos is not None:
         q = rotate_half(q, cos, sin)
     rows, heads, head_dim = q.shape
@@ -150,6 +200,10 @@ if triton is not None:
         out_ptr,
         cos_ptr,
         sin_ptr,
+        new_k_ptr,
+        new_v_ptr,
+        stride_new_row,
+        stride_new_head,
         stride_cs_row,
         stride_q_row,
         stride_q_head,
@@ -175,11 +229,13 @@ if triton is not None:
         SPLITS: tl.constexpr,
         SPLIT_LEN: tl.constexpr,
         ROTARY: tl.constexpr,
+        WRITE_KV: tl.constexpr,
     ):
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
-        attended = tl.minimum(tl.load(pos_ptr + row) + 1, length)
+        position = tl.load(pos_ptr + row)
+        attended = tl.minimum(position + 1, length)
         first = split * SPLIT_LEN
         last = tl.minimum(attended, first + SPLIT_LEN)
         h = tl.arange(0, BLOCK_H)
@@ -199,6 +255,23 @@ if triton is not None:
             q = q.to(q_ptr.dtype.element_ty)
         k_base = k_ptr + row * stride_k_slot + kv_head * stride_k_head
         v_base = v_ptr + row * stride_v_slot + kv_head * stride_v_head
+        if WRITE_KV:
+            # The split that reads this position writes it (the last one when the position is
+            # past the attended length: written, not read, as the torch reference does).
+            if split == tl.minimum(position // SPLIT_LEN, SPLITS - 1):
+                new_row = row * stride_new_row + kv_head * stride_new_head
+                partner = (d + HEAD_DIM // 2) % HEAD_DIM
+                sign = tl.where(d < HEAD_DIM // 2, -1.0, 1.0)
+                cos = tl.load(cos_ptr + row * stride_cs_row + d).to(tl.float32)
+                sin = tl.load(sin_ptr + row * stride_cs_row + d).to(tl.float32)
+                key = tl.load(new_k_ptr + new_row + d).to(tl.float32)
+                key_partner = tl.load(new_k_ptr + new_row + partner).to(tl.float32)
+                key = key * cos + key_partner * (sign * sin)
+                tl.store(k_base + position * stride_k_pos + d, key.to(k_ptr.dtype.element_ty))
+                value = tl.load(new_v_ptr + new_row + d)
+                tl.store(v_base + position * stride_v_pos + d, value.to(v_ptr.dtype.element_ty))
+            # Every thread of the program sees those stores before the loop reads them.
+            tl.debug_barrier()
         running_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
         running_sum = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
@@ -260,13 +333,18 @@ def decode_attention(
     scale: float,
     cos: torch.Tensor | None = None,
     sin: torch.Tensor | None = None,
+    new_k: torch.Tensor | None = None,
+    new_v: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``reference_decode_attention``'s result; one Triton kernel on CUDA (shapes that
-    ``kernel_supports``). ``cos``/``sin`` [rows, 1, D]: rotate ``q`` by them first."""
+    """``reference_decode_attention``'s result (and cache writes); one Triton kernel on CUDA
+    (shapes that ``kernel_supports``). ``cos``/``sin`` [rows, 1, D]: rotate ``q`` by them
+    first; ``new_k``/``new_v`` [rows, kv_heads, D]: write them into the cache first."""
     rows, heads, head_dim = q.shape
     kv_heads = keys.shape[1]
     if not (USE_KERNEL and q.is_cuda and kernel_supports(heads, kv_heads, head_dim)):
-        return reference_decode_attention(q, keys, values, positions, length, scale, cos, sin)
+        return reference_decode_attention(
+            q, keys, values, positions, length, scale, cos, sin, new_k, new_v
+        )
     if q.stride(-1) != 1:
         q = q.contiguous()
     # q may be a view of the fused QKV output (rows strided): the kernel reads it in place.
@@ -282,6 +360,14 @@ def decode_attention(
         cos, sin = cos.contiguous(), sin.contiguous()
     else:
         cos = sin = q  # unused (ROTARY=False)
+    _check_new_kv(q, keys, cos if rotary else None, new_k, new_v)
+    write_kv = new_k is not None and new_v is not None
+    if write_kv:
+        # Both are views of one fused projection output: rows and heads strided alike.
+        if new_k.stride() != new_v.stride() or new_k.stride(-1) != 1:
+            new_k, new_v = new_k.contiguous(), new_v.contiguous()
+    else:
+        new_k = new_v = q  # unused (WRITE_KV=False)
     group = heads // kv_heads
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     block_h = max(MIN_BLOCK_H, triton.next_power_of_2(group))
@@ -299,6 +385,10 @@ def decode_attention(
         out,
         cos,
         sin,
+        new_k,
+        new_v,
+        new_k.stride(0) if write_kv else 0,
+        new_k.stride(1) if write_kv else 0,
         cos.stride(0) if rotary else 0,
         q.stride(0),
         q.stride(1),
@@ -327,6 +417,7 @@ def decode_attention(
         SPLITS=splits,
         SPLIT_LEN=split_len,
         ROTARY=rotary,
+        WRITE_KV=write_kv,
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,
     )

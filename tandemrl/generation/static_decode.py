@@ -59,6 +59,10 @@ SAMPLE_BLOCK = 128
 # Decode step: rotate the queries inside the attention kernel (``decode_attention``'s cos/sin)
 # instead of in a compiled kernel of their own (one kernel a layer less).
 ROPE_IN_ATTENTION = True
+# Decode step (with ROPE_IN_ATTENTION): the step's new keys (rotated) and values go into the
+# cache from inside the attention kernel (``decode_attention``'s new_k/new_v), not from a
+# compiled kernel of their own after the QKV projection (one kernel a layer less).
+KV_WRITE_IN_ATTENTION = True
 # Decode step: the down projection as DOWN_SPLITS batched products over slices of the
 # intermediate size, their partial sums added by the next layer's residual/norm kernel instead
 # of cuBLAS's split-K reduction kernel. 1: one plain product.
@@ -312,6 +316,7 @@ class StaticDecoder:
         kv_rows = torch.arange(2 * slots * self.kv_heads, **on).view(2, slots, self.kv_heads)
         self.kv_row_offsets = kv_rows * max_len
         self.rope_in_attention = ROPE_IN_ATTENTION
+        self.kv_write_in_attention = ROPE_IN_ATTENTION and KV_WRITE_IN_ATTENTION
         intermediate = int(self.layers[0].down_weight.shape[1])
         self.down_splits = _splits(DOWN_SPLITS, intermediate)
         self.o_splits = _splits(O_SPLITS, self.heads * self.head_dim)
@@ -320,6 +325,8 @@ class StaticDecoder:
 
         self._attention_in: Callable[..., Any] = self._attention_in_eager
         self._attention_out_mlp: Callable[..., Any] = self._attention_out_mlp_eager
+        self._qkv: Callable[..., Any] = self._qkv_eager
+        self._out_mlp_step: Callable[..., Any] = self._out_mlp
         self._head: Callable[..., Any] = self._head_eager
         self._vocab_blocks: Callable[..., Any] = self._vocab_blocks_eager
         self._write_back: Callable[..., Any] = self._write_back_eager
@@ -343,6 +350,11 @@ class StaticDecoder:
             compiled = {"fullgraph": True, "mode": compile_mode}
             self._attention_in = torch.compile(self._attention_in_eager, **compiled)
             self._attention_out_mlp = torch.compile(self._attention_out_mlp_eager, **compiled)
+            # KV_WRITE_IN_ATTENTION: the attention kernel writes the cache, so it runs between
+            # these two (outside torch.compile, which would treat the cache it writes as a
+            # mutated graph input).
+            self._qkv = torch.compile(self._qkv_eager, **compiled)
+            self._out_mlp_step = torch.compile(self._out_mlp, **compiled)
             self._head = torch.compile(self._head_eager, **compiled)
             # Only the full-vocabulary pass: inductor cannot fuse a long scan with reductions.
             self._vocab_blocks = torch.compile(self._vocab_blocks_eager, fullgraph=True)
@@ -625,9 +637,32 @@ class StaticDecoder:
         cos, sin = self._rotary(positions)
         delta = self.no_delta[:rows]
         # Row of each new key/value in a layer's cache viewed as [2 * slots * kv_heads *
-        # max_len, head_dim], in the order of new_kv below ([2, rows, kv_heads]).
-        write_rows = (self.kv_row_offsets[:, :rows] + positions[None, :, None]).reshape(-1)
+        # max_len, head_dim], in the order of new_kv below ([2, rows, kv_heads]); unused when
+        # the attention kernel writes them.
+        write_rows = (
+            None
+            if self.kv_write_in_attention
+            else (self.kv_row_offsets[:, :rows] + positions[None, :, None]).reshape(-1)
+        )
         for index, weights in enumerate(self.layers):
+            if self.kv_write_in_attention:
+                hidden, q, k, v = self._qkv(
+                    hidden, delta, weights.input_norm, weights.qkv_weight, weights.qkv_bias
+                )
+                attended = decode_attention(
+                    q, self.keys[index], self.values[index], positions, length, self.scale,
+                    cos, sin, new_k=k, new_v=v,
+                )  # fmt: skip
+                hidden, delta = self._out_mlp_step(
+                    hidden,
+                    attended.reshape(rows, self.heads * self.head_dim),
+                    weights.o_weight,
+                    weights.o_bias,
+                    weights.post_norm,
+                    weights.gate_up_weight,
+                    weights.down_weight,
+                )
+                continue
             hidden, q = self._attention_in(
                 hidden,
                 delta,
@@ -708,6 +743,21 @@ class StaticDecoder:
         go into ``cache_rows`` (one layer's cache, flattened) at ``write_rows``, in the same
         kernel as the rotary embedding when compiled. ``rotate_q=False``: the queries are
         returned unrotated (the attention kernel rotates them)."""
+        hidden, q, k, v = self._qkv_eager(hidden, delta, norm, qkv_weight, qkv_bias)
+        new_kv = torch.stack([self._rope(k, cos, sin), v]).reshape(-1, self.head_dim)
+        cache_rows.index_copy_(0, write_rows, new_kv)
+        return hidden, self._rope(q, cos, sin) if rotate_q else q
+
+    def _qkv_eager(
+        self,
+        hidden: torch.Tensor,
+        delta: torch.Tensor,
+        norm: torch.Tensor,
+        qkv_weight: torch.Tensor,
+        qkv_bias: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Residual add, norm, QKV projection: the hidden state and the unrotated queries,
+        keys and values ([rows, heads or kv_heads, dim], views of one fused output)."""
         rows = hidden.shape[0]
         hidden = self._add_delta(hidden, delta)
         normed = self._rms_norm(hidden, norm)
@@ -720,9 +770,7 @@ class StaticDecoder:
         q = qkv[:, :q_size].reshape(rows, self.heads, self.head_dim)
         k = qkv[:, q_size : q_size + kv_size].reshape(rows, self.kv_heads, self.head_dim)
         v = qkv[:, q_size + kv_size :].reshape(rows, self.kv_heads, self.head_dim)
-        new_kv = torch.stack([self._rope(k, cos, sin), v]).reshape(-1, self.head_dim)
-        cache_rows.index_copy_(0, write_rows, new_kv)
-        return hidden, self._rope(q, cos, sin) if rotate_q else q
+        return hidden, q, k, v
 
     def _attention_out_mlp_eager(
         self,

@@ -12,6 +12,7 @@ from tandemrl.generation.decode_attention import (
     kernel_supports,
     reference_decode_attention,
     rotate_half,
+    write_new_kv,
 )
 
 
@@ -82,6 +83,46 @@ def test_reference_matches_per_row_softmax() -> None:
     )
 
 
+def new_kv(rows, kv_heads, head_dim, device, dtype, seed=3):
+    """The step's new keys and values as the static step hands them over: strided views of
+    one wider (fused projection) output, [rows, kv_heads, head_dim] each."""
+    generator = torch.Generator().manual_seed(seed)
+    fused = torch.randn(rows, 2 * kv_heads + 3, head_dim, generator=generator).to(device, dtype)
+    return fused[:, 1 : 1 + kv_heads], fused[:, 1 + kv_heads : 1 + 2 * kv_heads]
+
+
+def test_reference_writes_the_new_keys_and_values_first() -> None:
+    # Every row is written, row 4 (position 190) too, past the attended length of 128.
+    q, keys, values, positions = make_inputs("cpu", torch.float32)
+    cos, sin = rotary(q.shape[0], q.shape[-1], "cpu", torch.float32)
+    new_k, new_v = new_kv(q.shape[0], keys.shape[1], q.shape[-1], "cpu", torch.float32)
+    expected_keys, expected_values = keys.clone(), values.clone()
+    for row in range(q.shape[0]):
+        at = int(positions[row])
+        expected_keys[row, :, at] = rotate_half(new_k[row], cos[row], sin[row])
+        expected_values[row, :, at] = new_v[row]
+    got = reference_decode_attention(
+        q, keys, values, positions, 128, 0.125, cos, sin, new_k=new_k, new_v=new_v
+    )
+    torch.testing.assert_close(keys, expected_keys, rtol=0, atol=0)
+    torch.testing.assert_close(values, expected_values, rtol=0, atol=0)
+    expected = naive(rotate_half(q, cos, sin), keys, values, positions, 128, 0.125)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_new_keys_and_values_are_checked() -> None:
+    q, keys, values, positions = make_inputs("cpu", torch.float32)
+    cos, sin = rotary(q.shape[0], q.shape[-1], "cpu", torch.float32)
+    new_k, new_v = new_kv(q.shape[0], keys.shape[1], q.shape[-1], "cpu", torch.float32)
+    for attention in (reference_decode_attention, decode_attention):
+        with pytest.raises(ValueError, match="new_k and new_v"):
+            attention(q, keys, values, positions, 64, 0.125, cos, sin, new_k=new_k)
+        with pytest.raises(ValueError, match="needs cos/sin"):
+            attention(q, keys, values, positions, 64, 0.125, new_k=new_k, new_v=new_v)
+        with pytest.raises(ValueError, match=r"\[rows, kv_heads, head_dim\]"):
+            attention(q, keys, values, positions, 64, 0.125, cos, sin, new_k[:2], new_v[:2])
+
+
 @pytest.mark.skipif(not kernel_supports(14, 2, 64), reason="needs CUDA and Triton")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("compiled", [False, True])
@@ -126,3 +167,34 @@ def test_triton_kernel_rotates_the_query(dtype: torch.dtype, compiled: bool) -> 
         torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance)
     with pytest.raises(ValueError, match="cos/sin must be"):
         decode_attention(q, keys, values, positions, 64, 0.125, cos[:5], sin[:5])
+
+
+@pytest.mark.skipif(not kernel_supports(14, 2, 64), reason="needs CUDA and Triton")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_triton_kernel_writes_the_new_keys_and_values_first(
+    dtype: torch.dtype, splits: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The kernel writes each row's rotated key and value at its position, then attends over
+    # them with the rest (the split that reads the position writes it); rows past the length
+    # (row 4, position 190, with length 64 or 128) are written and not attended.
+    monkeypatch.setattr(decode_attention_module, "SPLITS", splits)
+    for length in (64, 192):
+        q, keys, values, positions = make_inputs("cuda", dtype, rows=37, slots=40)
+        cos, sin = rotary(37, q.shape[-1], "cuda", dtype)
+        new_k, new_v = new_kv(37, keys.shape[1], q.shape[-1], "cuda", dtype)
+        expected_keys, expected_values = keys.double(), values.double()
+        write_new_kv(
+            expected_keys, expected_values, positions, new_k.double(), new_v.double(),
+            cos.double(), sin.double(),
+        )  # fmt: skip
+        got = decode_attention(
+            q, keys, values, positions, length, 0.125, cos, sin, new_k=new_k, new_v=new_v
+        )
+        tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(keys.double(), expected_keys, rtol=tolerance, atol=tolerance)
+        torch.testing.assert_close(values.double(), expected_values, rtol=0, atol=0)
+        rotated = rotate_half(q.double(), cos.double(), sin.double())
+        expected = naive(rotated, expected_keys, expected_values, positions, length, 0.125)
+        tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance)

@@ -51,6 +51,7 @@ def _reference_logits(model: PreTrainedModel, tokens: torch.Tensor) -> torch.Ten
         return model(tokens).logits.float()
 
 
+@pytest.mark.parametrize("kv_write_in_attention", [True, False])
 @pytest.mark.parametrize(
     ("rope_in_attention", "down_splits", "o_splits", "qkv_splits"),
     [
@@ -69,11 +70,14 @@ def test_decode_step_matches_transformers_logits(
     down_splits: int,
     o_splits: int,
     qkv_splits: int,
+    kv_write_in_attention: bool,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Both forms of the query rotation and of the down and output projections (one product,
-    # or partial products over slices of the input features summed by the residual add).
+    # Both forms of the query rotation, of the cache write (by the attention or by a step of
+    # its own) and of the down and output projections (one product, or partial products over
+    # slices of the input features summed by the residual add).
     monkeypatch.setattr(static_decode, "ROPE_IN_ATTENTION", rope_in_attention)
+    monkeypatch.setattr(static_decode, "KV_WRITE_IN_ATTENTION", kv_write_in_attention)
     monkeypatch.setattr(static_decode, "DOWN_SPLITS", down_splits)
     monkeypatch.setattr(static_decode, "O_SPLITS", o_splits)
     monkeypatch.setattr(static_decode, "QKV_SPLITS", qkv_splits)
@@ -84,6 +88,7 @@ def test_decode_step_matches_transformers_logits(
     reference = _reference_logits(reference_model, tokens)
     decoder = StaticDecoder(model, slots=8, max_len=32, use_graphs=False, compile_step=False)
     assert decoder.rope_in_attention is rope_in_attention
+    assert decoder.kv_write_in_attention is (rope_in_attention and kv_write_in_attention)
     assert (decoder.down_splits, decoder.o_splits) == (down_splits, o_splits)
     assert decoder.qkv_splits == qkv_splits
     # Slots 5, 1, 6 (a gap and an unordered table), fed token by token: the step's own K/V.
