@@ -7,20 +7,20 @@ The torch engine (``torch_engine.py``) owns the requests; it maps each running s
 slot and calls ``prefill`` (admission, recompute-KV), ``set_rows`` and ``step``.
 
 One step, for slots ``[0, rows)`` (``rows`` a power-of-two bucket above the highest busy slot):
-embed each slot's token, run every layer (RMSNorm, one fused QKV projection, rotary embedding,
-write K/V at the slot's position, attention over the slot's cache positions up to its own within
-the first ``length`` (``decode_attention.py``: one Triton kernel on CUDA, which also rotates the
-queries), output projection, RMSNorm, one fused gate/up projection, SiLU, down projection (as
-``DOWN_SPLITS`` partial products that the next residual add sums)), then sample one token per
-slot from the tempered distribution (inverse CDF of a host-drawn uniform, optional top-p; greedy
-slots take the argmax; on CUDA without top-p two Triton kernels, ``decode_sampler.py``) and
-write the token, its logprob, the next position and the next input token in place.
-A *launch* runs ``steps`` such steps back to back (the decoder's ``steps``; one graph holds
-them all on CUDA): each step reads the tokens and positions the one before it wrote, so the
-host uploads ``steps`` uniforms per slot and reads ``steps`` results per slot once per launch.
-Free slots inside the bucket are computed and ignored. Shapes are static per ``(rows, length,
-top_p)``, so on CUDA each such key is captured once as a graph and replayed; on CPU the same code
-runs eagerly (tests).
+embed each slot's token, run every layer (RMSNorm, one fused QKV projection, rotary embedding, write
+K/V at the slot's position, attention over the slot's cache positions up to its own within the first
+``length`` (``decode_attention.py``: one Triton kernel on CUDA, which also rotates the queries and
+the new keys and writes the new keys/values), output projection, RMSNorm, one fused gate/up
+projection, SiLU, down projection (as ``DOWN_SPLITS`` partial products that the next residual add
+sums)), then sample one token per slot from the tempered distribution (inverse CDF of a host-drawn
+uniform, optional top-p; greedy slots take the argmax; on CUDA without top-p two Triton kernels,
+``decode_sampler.py``) and write the token, its logprob, the next position and the next input token
+in place. A *launch* runs ``steps`` such steps back to back (the decoder's ``steps``; one graph
+holds them all on CUDA): each step reads the tokens and positions the one before it wrote, so the
+host uploads ``steps`` uniforms per slot and reads ``steps`` results per slot once per launch. Free
+slots inside the bucket are computed and ignored. Shapes are static per ``(rows, length, top_p)``,
+so on CUDA each such key is captured once as a graph and replayed; on CPU the same code runs eagerly
+(tests).
 
 Weights are *views*, never copies: ``fuse_projections`` concatenates q/k/v (and gate/up) once and
 rebinds the model's own parameters as views of the fused tensors. A weight update that
