@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -215,6 +215,17 @@ def bucket(value: int, minimum: int, cap: int) -> int:
     return min(size, cap)
 
 
+class _LaunchViews(NamedTuple):
+    """One rows bucket's views of a launch's buffers ([steps, rows] draws, [steps, rows, 2]
+    results) on the device and in one staging pair, and the numpy view the host draws into."""
+
+    device_uniforms: torch.Tensor
+    device_out: torch.Tensor
+    staged_uniforms: torch.Tensor
+    results: torch.Tensor
+    drawn: np.ndarray
+
+
 # A launch's uniforms, per slot: one draw, or one per step of the launch.
 Draws = Sequence[float] | Sequence[Sequence[float]]
 
@@ -306,10 +317,11 @@ class StaticDecoder:
         self._result_staging = [
             torch.zeros(steps * slots * 2, dtype=torch.float64, pin_memory=pinned) for _ in range(2)
         ]
-        # The host side of a step goes through numpy views of those buffers and two reused
-        # events: every torch call lets go of the GIL, and beside a trainer thread of the same
-        # process each one took tens of microseconds to get it back (docs/benchmarks.md).
-        self._uniform_host = [staging.numpy() for staging in self._uniform_staging]
+        # The host side of a launch goes through views made once per (rows bucket, staging
+        # buffer) (``_views``), numpy where the host writes, and two reused events: every torch
+        # call lets go of the GIL, and beside a trainer thread of the same process each one
+        # took tens of microseconds to get it back (docs/benchmarks.md).
+        self._views: dict[tuple[int, int], _LaunchViews] = {}
         self._done_events = [torch.cuda.Event() if pinned else None for _ in range(2)]
         self._launches = 0
         # Offsets of (keys|values, slot, kv head) rows in one layer's flattened cache.
@@ -491,6 +503,21 @@ class StaticDecoder:
         """One launch (``steps`` decode steps); see ``launch`` and ``collect``."""
         return self.collect(self.launch(slots, uniforms, max_position, top_p))
 
+    def _launch_views_of(self, rows: int, parity: int) -> _LaunchViews:
+        """The views a launch of ``rows`` rows through staging buffer ``parity`` uses (made
+        once: the buffers live as long as the decoder)."""
+        views = self._views.get((rows, parity))
+        if views is None:
+            device_uniforms, device_out = self._launch_views(rows, (self.uniforms, self.out))
+            staged_uniforms, results = self._launch_views(
+                rows, (self._uniform_staging[parity], self._result_staging[parity])
+            )
+            views = _LaunchViews(
+                device_uniforms, device_out, staged_uniforms, results, staged_uniforms.numpy()
+            )
+            self._views[(rows, parity)] = views
+        return views
+
     def _launch_views(
         self, rows: int, tensors: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -525,14 +552,10 @@ class StaticDecoder:
         # still has to read (the engine keeps at most one launch in flight).
         self._launches += 1
         parity = self._launches % 2
-        drawn = self._uniform_host[parity][: self.steps * rows].reshape(self.steps, rows)
-        drawn[:] = 0.5
-        drawn[:, slots] = draws.T
-        device_uniforms, device_out = self._launch_views(rows, (self.uniforms, self.out))
-        staged_uniforms, results = self._launch_views(
-            rows, (self._uniform_staging[parity], self._result_staging[parity])
-        )
-        device_uniforms.copy_(staged_uniforms, non_blocking=True)
+        views = self._launch_views_of(rows, parity)
+        views.drawn[:] = 0.5
+        views.drawn[:, slots] = draws.T
+        views.device_uniforms.copy_(views.staged_uniforms, non_blocking=True)
         key = (rows, length, top_p)
         if self.use_graphs:
             graph = self._graphs.get(key)
@@ -544,11 +567,11 @@ class StaticDecoder:
         # Both sides contiguous: a strided device-to-host copy would go through an unpinned
         # temporary, and such a copy waits for the device (the launch just queued included),
         # which took the launch in flight away whenever the rows bucket was below the slots.
-        results.copy_(device_out, non_blocking=True)
+        views.results.copy_(views.device_out, non_blocking=True)
         done = self._done_events[parity]
         if done is not None:
             done.record()
-        return LaunchedStep(slots, results, done)
+        return LaunchedStep(slots, views.results, done)
 
     @staticmethod
     def collect(launched: LaunchedStep) -> tuple[list[list[int]], list[list[float]]]:
@@ -644,53 +667,86 @@ class StaticDecoder:
             if self.kv_write_in_attention
             else (self.kv_row_offsets[:, :rows] + positions[None, :, None]).reshape(-1)
         )
+        layer = self._layer_writing_in_attention if self.kv_write_in_attention else self._layer
         for index, weights in enumerate(self.layers):
-            if self.kv_write_in_attention:
-                hidden, q, k, v = self._qkv(
-                    hidden, delta, weights.input_norm, weights.qkv_weight, weights.qkv_bias
-                )
-                attended = decode_attention(
-                    q, self.keys[index], self.values[index], positions, length, self.scale,
-                    cos, sin, new_k=k, new_v=v,
-                )  # fmt: skip
-                hidden, delta = self._out_mlp_step(
-                    hidden,
-                    attended.reshape(rows, self.heads * self.head_dim),
-                    weights.o_weight,
-                    weights.o_bias,
-                    weights.post_norm,
-                    weights.gate_up_weight,
-                    weights.down_weight,
-                )
-                continue
-            hidden, q = self._attention_in(
-                hidden,
-                delta,
-                weights.input_norm,
-                weights.qkv_weight,
-                weights.qkv_bias,
-                cos,
-                sin,
-                self.cache[index].view(-1, self.head_dim),
-                write_rows,
-                rotate_q=not self.rope_in_attention,
-            )
-            hidden, delta = self._attention_out_mlp(
-                hidden,
-                q,
-                self.keys[index],
-                self.values[index],
-                positions,
-                length,
-                cos if self.rope_in_attention else None,
-                sin if self.rope_in_attention else None,
-                weights.o_weight,
-                weights.o_bias,
-                weights.post_norm,
-                weights.gate_up_weight,
-                weights.down_weight,
+            hidden, delta = layer(
+                index, weights, hidden, delta, positions, length, cos, sin, write_rows
             )
         return self._head(hidden, delta, self.final_norm, self.lm_head)
+
+    def _layer_writing_in_attention(
+        self,
+        index: int,
+        weights: LayerWeights,
+        hidden: torch.Tensor,
+        delta: torch.Tensor,
+        positions: torch.Tensor,
+        length: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        write_rows: None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decoder layer of the step, the attention kernel writing the new keys/values
+        (KV_WRITE_IN_ATTENTION)."""
+        rows = hidden.shape[0]
+        hidden, q, k, v = self._qkv(
+            hidden, delta, weights.input_norm, weights.qkv_weight, weights.qkv_bias
+        )
+        attended = decode_attention(
+            q, self.keys[index], self.values[index], positions, length, self.scale,
+            cos, sin, new_k=k, new_v=v,
+        )  # fmt: skip
+        return self._out_mlp_step(
+            hidden,
+            attended.reshape(rows, self.heads * self.head_dim),
+            weights.o_weight,
+            weights.o_bias,
+            weights.post_norm,
+            weights.gate_up_weight,
+            weights.down_weight,
+        )
+
+    def _layer(
+        self,
+        index: int,
+        weights: LayerWeights,
+        hidden: torch.Tensor,
+        delta: torch.Tensor,
+        positions: torch.Tensor,
+        length: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        write_rows: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decoder layer of the step, the new keys/values written at ``write_rows`` by the
+        compiled kernel that rotates them."""
+        hidden, q = self._attention_in(
+            hidden,
+            delta,
+            weights.input_norm,
+            weights.qkv_weight,
+            weights.qkv_bias,
+            cos,
+            sin,
+            self.cache[index].view(-1, self.head_dim),
+            write_rows,
+            rotate_q=not self.rope_in_attention,
+        )
+        return self._attention_out_mlp(
+            hidden,
+            q,
+            self.keys[index],
+            self.values[index],
+            positions,
+            length,
+            cos if self.rope_in_attention else None,
+            sin if self.rope_in_attention else None,
+            weights.o_weight,
+            weights.o_bias,
+            weights.post_norm,
+            weights.gate_up_weight,
+            weights.down_weight,
+        )
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of the rotary embedding at ``positions`` [n], as [n, 1, head_dim]."""
