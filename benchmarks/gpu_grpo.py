@@ -52,6 +52,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -70,6 +71,7 @@ from gpu_common import (
     make_train_batch,
 )
 
+from tandemrl.config.capacity import required_buffer_capacity
 from tandemrl.config.loader import load_config
 from tandemrl.controller.build import ControllerParts, build_controller
 from tandemrl.controller.weight_sync import DirectWeightSync
@@ -534,14 +536,25 @@ async def _sync_nccl(
 # ---------------------------------------------------------------------- GRPO
 
 
-MODES: dict[str, list[str]] = {
-    "sync": [
-        "async_rl.sampler={name: in_order, max_lookahead_versions: 0}",
-        "loss_fn.use_importance_sampling_correction=false",
-    ],
-    "async_in_order_1": ["async_rl.sampler={name: in_order, max_lookahead_versions: 1}"],
-    "streaming_weight_fifo": ["async_rl.sampler={name: weight_fifo, max_staleness_versions: 1}"],
+# Each mode's async_rl.sampler (sync: in_order without lookahead, and no importance weights).
+SAMPLERS: dict[str, dict[str, Any]] = {
+    "sync": {"name": "in_order", "max_lookahead_versions": 0},
+    "async_in_order_1": {"name": "in_order", "max_lookahead_versions": 1},
+    "async_in_order_2": {"name": "in_order", "max_lookahead_versions": 2},
+    "streaming_weight_fifo": {"name": "weight_fifo", "max_staleness_versions": 1},
+    "streaming_ready_first": {"name": "ready_first", "max_staleness_versions": 1},
 }
+MODES: dict[str, list[str]] = {
+    mode: [
+        "async_rl.sampler={" + ", ".join(f"{key}: {value}" for key, value in sampler.items()) + "}",
+        *(["loss_fn.use_importance_sampling_correction=false"] if mode == "sync" else []),
+    ]
+    for mode, sampler in SAMPLERS.items()
+}
+# Groups per train chunk of the streaming modes when --stream-chunk-groups is not given: a
+# quarter step for weight_fifo (the table's streaming rows since run C), the whole step for
+# ready_first (a step is the first N groups to finish, whatever their dispatch order).
+STREAM_CHUNK_FRACTION = {"streaming_weight_fifo": 4, "streaming_ready_first": 1}
 
 
 class TimedTrainer:
@@ -593,14 +606,15 @@ REMOTE_ENGINE = ("two_processes", "two_processes_paused", "two_gpus")
 
 def mode_overrides(mode: str, placement: str, args: argparse.Namespace) -> list[str]:
     n = args.prompts_per_step
-    streaming = mode.startswith("streaming")
-    capacity = n if mode == "sync" else 2 * n
     stands_down = placement in STANDS_DOWN
+    chunk = n
+    if mode in STREAM_CHUNK_FRACTION and not stands_down:  # a colocated step is one batch
+        chunk = args.stream_chunk_groups or max(1, n // STREAM_CHUNK_FRACTION[mode])
     overrides = [
         *MODES[mode],
-        f"async_rl.min_groups_for_streaming_train={n // 4 if streaming and not stands_down else n}",
-        f"async_rl.max_buffered_rollouts={capacity}",
-        f"async_rl.max_inflight_prompts={capacity}",
+        f"async_rl.min_groups_for_streaming_train={chunk}",
+        f"async_rl.max_buffered_rollouts={sampler_capacity(mode, n)}",
+        f"async_rl.max_inflight_prompts={sampler_capacity(mode, n)}",
         f"grpo.max_num_steps={args.warmup_steps + args.steps}",
         f"policy.generation.colocated.enabled={str(stands_down).lower()}",
         "policy.generation.colocated.free_cache_on_sleep=" + str(placement == "colocated").lower(),
@@ -608,6 +622,14 @@ def mode_overrides(mode: str, placement: str, args: argparse.Namespace) -> list[
     if placement == "two_gpus":
         overrides.append("policy.generation.colocated.resources.gpus_per_node=1")
     return overrides
+
+
+def sampler_capacity(mode: str, groups_per_step: int) -> int:
+    """The mode's sampler's required buffer capacity (= its in-flight cap here): the batch
+    being trained plus the batches its gate lets dispatch run ahead."""
+    fields = {"max_lookahead_versions": 0, "max_staleness_versions": 0, **SAMPLERS[mode]}
+    sampler = SimpleNamespace(warmup_lookahead_versions=None, **fields)
+    return required_buffer_capacity(sampler, groups_per_step)
 
 
 async def engine_stats(engines: list[Any]) -> dict[str, float]:
@@ -788,6 +810,9 @@ def run_grpo(
         "steps": len(measured),
         "steps_per_s": len(measured) / wall,
         "completion_tokens_per_s": completion_tokens / wall,
+        # Tokens the trainer took per second (prompts and completions of the trained rows):
+        # a streaming step trains the groups that finished first, a sync step its own batch.
+        "trained_tokens_per_s": train_tokens / wall,
         "step_time_s": step_time,
         "weight_sync_s": sync_s,
         "sync_fraction_of_step": sync_s / step_time,
@@ -924,7 +949,19 @@ def main() -> None:
         help="unmeasured steps per grpo row (default 3 with --trainer tuned: the compiled "
         "layers compile a static and then a dynamic-shape graph; else 1)",
     )
-    parser.add_argument("--modes", nargs="+", default=list(MODES))
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=list(MODES),
+        default=["sync", "async_in_order_1", "streaming_weight_fifo"],
+    )
+    parser.add_argument(
+        "--stream-chunk-groups",
+        type=int,
+        default=None,
+        help="groups per train chunk (async_rl.min_groups_for_streaming_train) of the streaming "
+        "modes; default a quarter step for weight_fifo, the whole step for ready_first",
+    )
     parser.add_argument(
         "--placements",
         nargs="+",
