@@ -616,11 +616,18 @@ def mode_overrides(mode: str, placement: str, args: argparse.Namespace) -> list[
         f"async_rl.max_buffered_rollouts={sampler_capacity(mode, n)}",
         f"async_rl.max_inflight_prompts={sampler_capacity(mode, n)}",
         f"grpo.max_num_steps={args.warmup_steps + args.steps}",
-        f"policy.generation.colocated.enabled={str(stands_down).lower()}",
         "policy.generation.colocated.free_cache_on_sleep=" + str(placement == "colocated").lower(),
     ]
     if placement == "two_gpus":
-        overrides.append("policy.generation.colocated.resources.gpus_per_node=1")
+        overrides += [
+            "policy.generation.colocated.enabled=false",
+            "policy.generation.colocated.resources.gpus_per_node=1",
+        ]
+    else:  # one GPU: what `tandemrl train` runs, with or without the stand-down
+        overrides += [
+            "policy.generation.colocated.enabled=true",
+            f"policy.generation.colocated.stand_down={str(stands_down).lower()}",
+        ]
     return overrides
 
 

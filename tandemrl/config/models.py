@@ -49,6 +49,10 @@ class ColocatedConfig(Strict):
     # graphs (the trainer gets the memory; wake re-prefills the running rows and recaptures).
     # False: it only pauses and keeps both — for when the trainer fits beside the cache.
     free_cache_on_sleep: bool = True
+    # True: the engine stands down for every train step (the devices do one thing at a time).
+    # False: it keeps decoding while the trainer runs on the same devices, so a step need not
+    # be one whole batch; on one GPU the two processes' kernels overlap only under CUDA MPS.
+    stand_down: bool = True
     resources: ColocatedResources = ColocatedResources()
 
 

@@ -133,6 +133,12 @@ class _Checker:
                     "policy.generation.colocated.enabled: must be false with backend vllm — "
                     "colocated generation is only available with backend torch"
                 )
+        if not generation.colocated.stand_down and not generation.colocated.enabled:
+            self.error(
+                "policy.generation.colocated.stand_down: false applies to colocated generation "
+                "only; set policy.generation.colocated.enabled: true (generation shares the "
+                "trainer's devices) or leave stand_down at true"
+            )
         if generation.backend != "torch" and "torch" in generation.model_fields_set:
             self.error(
                 f"policy.generation.torch: set, but backend is {generation.backend!r} — these "
@@ -265,18 +271,21 @@ class _Checker:
     def check_streaming(self, algo: str) -> None:
         n_prompts = self.cfg.algorithm.num_prompts_per_step
         min_groups = self.cfg.async_rl.min_groups_for_streaming_train
+        colocated = self.cfg.policy.generation.colocated
         if min_groups > n_prompts:
             self.error(
                 f"async_rl.min_groups_for_streaming_train: {min_groups} is larger than "
                 f"{algo}.num_prompts_per_step ({n_prompts}); a train chunk can never exceed a "
                 f"step — set it to at most ${{{algo}.num_prompts_per_step}}"
             )
-        elif self.cfg.policy.generation.colocated.enabled and min_groups != n_prompts:
+        elif colocated.enabled and colocated.stand_down and min_groups != n_prompts:
             self.error(
                 f"async_rl.min_groups_for_streaming_train: must equal {algo}.num_prompts_per_step "
                 f"({n_prompts}) when policy.generation.colocated.enabled is true (got "
                 f"{min_groups}); the engine stands down for the whole train step, so the step "
-                f"must be one full batch — set it to ${{{algo}.num_prompts_per_step}}"
+                f"must be one full batch — set it to ${{{algo}.num_prompts_per_step}}, or let "
+                "the engine decode through train steps with "
+                "policy.generation.colocated.stand_down: false"
             )
 
     def check_buffer_and_inflight(self, algo: str) -> None:

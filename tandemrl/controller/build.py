@@ -81,6 +81,12 @@ def make_step_runner(
     )
 
 
+def stands_down(cfg: MasterConfig) -> bool:
+    """Whether generation sleeps for every train step (colocated, with its stand-down)."""
+    colocated = cfg.policy.generation.colocated
+    return colocated.enabled and colocated.stand_down
+
+
 def controller_settings(cfg: MasterConfig) -> ControllerSettings:
     algo = cfg.algorithm
     failure = cfg.async_rl.rollout_failure
@@ -90,7 +96,7 @@ def controller_settings(cfg: MasterConfig) -> ControllerSettings:
         max_num_steps=algo.max_num_steps,
         min_groups_for_streaming_train=cfg.async_rl.min_groups_for_streaming_train,
         max_inflight_prompts=cfg.async_rl.max_inflight_prompts,
-        colocated=cfg.policy.generation.colocated.enabled,
+        stands_down=stands_down(cfg),
         on_dropped_prompt=failure.on_dropped_prompt,
         min_step_batch_fraction=failure.min_step_batch_fraction,
         replacement_reserve_size=failure.replacement_reserve_size,

@@ -11,7 +11,9 @@ Placement comes from the config:
   the trainer takes one GPU of the rest. Ray assigns the devices (in creation order: the
   generation workers, created first, usually get GPUs 0..k-1); any GPU beyond k + 1 idles.
 - GPU, colocated: generation and training share the GPU (half a GPU each as far as Ray's
-  accounting goes); the engine stands down for every train step.
+  accounting goes); the engine stands down for every train step, or with
+  ``colocated.stand_down: false`` keeps decoding beside the trainer (on one GPU the two
+  processes' kernels then overlap only under CUDA MPS; without it the GPU time-slices them).
 - PPO: the critic (value worker) splits the policy trainer's share in half (on 2 CPUs: one CPU
   generates, the policy trainer and the critic hold 0.5 each). The two never compute at the
   same time for long — a PPO step runs the critic stages, then the policy epochs — so they

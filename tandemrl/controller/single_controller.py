@@ -67,7 +67,8 @@ class ControllerSettings:
     max_num_steps: int
     min_groups_for_streaming_train: int
     max_inflight_prompts: int
-    colocated: bool = False
+    # Generation sleeps for every train step (colocated with its stand-down).
+    stands_down: bool = False
     on_dropped_prompt: str = "shrink"
     min_step_batch_fraction: float = 0.5
     replacement_reserve_size: int = 0
@@ -474,7 +475,7 @@ class SingleController:
                 continue
             self.waiting_on["train"] = f"training chunk of {len(slots)} group(s)"
             if not began:
-                if self.settings.colocated:
+                if self.settings.stands_down:
                     await self.generation.sleep()
                 await self.step_runner.begin(version=version)
                 began = True
@@ -507,10 +508,10 @@ class SingleController:
         step awaits the tail before it: the sync exports, and a checkpoint saves, exactly the
         weights of the step just closed. The trainer then never waits for generation to load
         them (on the tiny CPU job that wait was ~10% of an async step). Kept serial where
-        the sync needs the trainer itself (CUDA IPC, NCCL), in colocated mode (generation
+        the sync needs the trainer itself (CUDA IPC, NCCL), when generation stands down (it
         wakes after the sync) and when this step writes a checkpoint.
         """
-        if self.settings.colocated or not getattr(self.weight_sync, "overlaps_training", False):
+        if self.settings.stands_down or not getattr(self.weight_sync, "overlaps_training", False):
             return False
         return self.checkpointer is None or not self.checkpointer.due(self.state.step, last=False)
 
@@ -601,7 +602,7 @@ class SingleController:
             if refit:
                 seconds = await self.weight_sync.sync(self.trainer_version)
             await self._abort_stale_inflight()
-            if self.settings.colocated:
+            if self.settings.stands_down:
                 await self.generation.wake()
         finally:
             self._rollout_permission.set()

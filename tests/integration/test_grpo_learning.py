@@ -83,10 +83,16 @@ def test_async_rows_carry_the_older_weights_that_produced_them(ray_session, tmp_
     assert any(abs(row["train/is_weight_max"] - 1.0) > 1e-3 for row in stale_steps)
 
 
-def test_colocated_torch_generation_trains(ray_session, tmp_path):
+@pytest.mark.parametrize("stand_down", [True, False], ids=["stand_down", "decoding_through"])
+def test_colocated_torch_generation_trains(ray_session, tmp_path, stand_down):
+    # Without the stand-down the engine decodes while the trainer runs, and a step may train
+    # in chunks of half a step.
+    chunk = "${grpo.num_prompts_per_step}" if stand_down else "8"
     cfg = load_config(
         "examples/configs/grpo_tiny_cpu_colocated.yaml",
         (
+            f"policy.generation.colocated.stand_down={str(stand_down).lower()}",
+            f"async_rl.min_groups_for_streaming_train={chunk}",
             "grpo.max_num_steps=6",
             f"logger.log_dir={tmp_path}",
             "logger.tensorboard=false",

@@ -640,6 +640,32 @@ def test_vllm_needs_the_async_engine():
     )
 
 
+def test_colocated_without_stand_down_may_train_in_chunks():
+    assert (
+        warnings(
+            "policy.generation.colocated.enabled=true",
+            "policy.generation.colocated.stand_down=false",
+            "async_rl.min_groups_for_streaming_train=2",
+        )
+        == []
+    )
+    message = find(
+        errors(
+            "policy.generation.colocated.enabled=true", "async_rl.min_groups_for_streaming_train=2"
+        ),
+        "async_rl.min_groups_for_streaming_train",
+    )
+    assert "policy.generation.colocated.stand_down: false" in message
+
+
+def test_stand_down_off_needs_colocated():
+    find(
+        errors("policy.generation.colocated.stand_down=false"),
+        "policy.generation.colocated.stand_down",
+        "policy.generation.colocated.enabled: true",
+    )
+
+
 def test_vllm_refuses_colocated():
     messages = errors(
         "policy.generation.backend=vllm",

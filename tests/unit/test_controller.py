@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 
 import pytest
@@ -174,6 +175,53 @@ def test_colocated_engine_stands_down_for_each_train_step():
     )
     run_controller(cfg, trainer=RecordingTrainer(), engines=[RecordingEngine(seed=0)])
     assert events == ["sleep", "train", "wake"] * 3
+
+
+@pytest.mark.parametrize("stand_down", [True, False])
+def test_colocated_engine_decodes_through_train_steps_only_without_stand_down(stand_down):
+    """colocated.stand_down: false keeps generation going while the trainer runs on the same
+    devices (and lets a step train in chunks); with the stand-down nothing finishes meanwhile."""
+    finished: list[float] = []
+    training: list[tuple[float, float]] = []
+    sleeps: list[float] = []
+
+    class TimedEngine(FakeGenerationBackend):
+        async def _one(self, request):
+            result = await super()._one(request)
+            finished.append(time.monotonic())
+            return result
+
+        async def sleep(self):
+            sleeps.append(time.monotonic())
+            await super().sleep()
+
+    class TimedTrainer(FakeTrainer):
+        async def begin_train_step(self):
+            self.began = time.monotonic()
+            await super().begin_train_step()
+
+        async def finish_train_step(self):
+            training.append((self.began, time.monotonic()))
+            return await super().finish_train_step()
+
+    cfg = make_cfg(
+        "policy.generation.colocated.enabled=true",
+        f"policy.generation.colocated.stand_down={str(stand_down).lower()}",
+        f"async_rl.min_groups_for_streaming_train={4 if stand_down else 2}",
+        "grpo.max_num_steps=4",
+    )
+    engine = TimedEngine(latency=LatencyModel("uniform", low=0.002, high=0.01), seed=0)
+    _, history, _, _ = run_controller(
+        cfg, trainer=TimedTrainer(train_seconds_per_step=0.05), engines=[engine]
+    )
+    assert len(history) == 4
+    during_training = [t for t in finished if any(a < t < b for a, b in training)]
+    if stand_down:
+        assert len(sleeps) == 4
+        assert during_training == []
+    else:
+        assert sleeps == []
+        assert len(during_training) > 0
 
 
 def test_every_row_records_the_versions_that_produced_it():
