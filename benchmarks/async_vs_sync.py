@@ -1,13 +1,15 @@
 """Sync vs async on the real tiny task: generation and training in separate Ray processes.
 
 Runs the default job three times for the same number of steps — sync (in_order, lookahead 0),
-async (in_order, lookahead 1) and streaming (weight_fifo, staleness 1, half-step chunks) — and
+async (in_order, lookahead 1) and streaming (weight_fifo, staleness 1, half-step chunks; or
+ready_first, staleness 1, half-step chunks, with ``--modes ... ready_first``) — and
 prints throughput (steps/s and trained tokens/s, from the steady-state step times) and the
 reward reached at equal steps. Goal: async >= 1.6x sync throughput when generation and
 training take about the same time, with learning curves equal within noise.
 
     python benchmarks/async_vs_sync.py [--steps 200] [--generation-batch 32] [--seed 42]
-        [--modes sync async streaming] [--no-reuse-logprobs] [--repeats 1] [--seeds S1 S2 ...]
+        [--modes sync async streaming ready_first] [--no-reuse-logprobs] [--repeats 1]
+        [--seeds S1 S2 ...]
 
 ``--repeats N`` runs the modes N times, interleaved, and reports every run and the median of
 the per-repeat ratios: this VM's speed drifts by up to 1.8x between runs minutes apart, so
@@ -60,6 +62,7 @@ MODES = {
     "sync": ("examples/configs/grpo_tiny_cpu_sync.yaml", ()),
     "async": ("examples/configs/grpo_tiny_cpu.yaml", ()),
     "streaming": ("examples/configs/grpo_tiny_cpu_weight_fifo.yaml", ()),
+    "ready_first": ("examples/configs/grpo_tiny_cpu_ready_first.yaml", ()),
 }
 
 
@@ -277,7 +280,9 @@ def main() -> None:
         default=None,
         help="run every mode once per seed (x --repeats) and compare learning across seeds",
     )
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument(
+        "--modes", nargs="+", default=["sync", "async", "streaming"], choices=list(MODES)
+    )
     parser.add_argument(
         "--repeats",
         type=int,
@@ -350,7 +355,7 @@ def main() -> None:
         ]
     if "sync" in args.modes:
         result["sync_train_idle"] = [round(results["sync"]["train_idle"], 3) for results in runs]
-        for mode in ("async", "streaming"):
+        for mode in ("async", "streaming", "ready_first"):
             if mode in args.modes:
                 ratios = [
                     results[mode]["steps_per_s"] / results["sync"]["steps_per_s"]

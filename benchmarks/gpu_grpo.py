@@ -17,8 +17,12 @@ Parts (``--part``, several allowed; each prints ``RESULT {json}`` and writes ``<
   in-process device copy, CUDA IPC to an engine in another process, and NCCL to an engine on
   another GPU when there are two.
 - ``grpo``: the controller table: sync (in_order, lookahead 0), async (in_order 1) and
-  streaming (weight_fifo, chunks of a quarter step), each colocated / sharing one GPU in one
-  process / in two processes (CUDA IPC sync) / on two GPUs (NCCL sync) when there are two.
+  streaming (weight_fifo, chunks of a quarter step) by default; ``--modes`` adds in_order 2
+  and streaming ready_first (whole-step chunks: a step trains the first groups to finish).
+  Each colocated / sharing one GPU in one process / in two processes (CUDA IPC sync) / on two
+  GPUs (NCCL sync) when there are two. The one-GPU placements run the config `tandemrl train`
+  takes: ``policy.generation.colocated.enabled`` with ``stand_down`` on for the colocated
+  placements and off for the others.
   ``colocated`` frees the engine's cache and graphs for every train step;
   ``colocated_kept`` and ``two_processes_paused`` stand the engine down without freeing
   (``policy.generation.colocated.free_cache_on_sleep=false``), in the trainer's process or in
