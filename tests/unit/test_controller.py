@@ -215,7 +215,10 @@ def test_colocated_engine_decodes_through_train_steps_only_without_stand_down(st
         cfg, trainer=TimedTrainer(train_seconds_per_step=0.05), engines=[engine]
     )
     assert len(history) == 4
-    during_training = [t for t in finished if any(a < t < b for a, b in training)]
+    # Inside a train step, away from its edges (a request whose wait ended just before the
+    # stand-down may still return in the same loop turn as the step's start).
+    margin = 0.005
+    during_training = [t for t in finished if any(a + margin < t < b - margin for a, b in training)]
     if stand_down:
         assert len(sleeps) == 4
         assert during_training == []
