@@ -16,9 +16,9 @@ Parts (``--part``, several allowed; each prints ``RESULT {json}`` and writes ``<
 - ``sync``: weight-sync seconds for 0.5B and 1.5B: host round trip (export to CPU + load),
   in-process device copy, CUDA IPC to an engine in another process, and NCCL to an engine on
   another GPU when there are two.
-- ``grpo``: the controller table: sync (in_order, lookahead 0), async (in_order 1) and
-  streaming (weight_fifo, chunks of a quarter step) by default; ``--modes`` adds in_order 2
-  and streaming ready_first (whole-step chunks: a step trains the first groups to finish).
+- ``grpo``: the controller table: sync (in_order, lookahead 0), async (in_order 1),
+  streaming weight_fifo (chunks of a quarter step) and streaming ready_first (whole-step
+  chunks: a step trains the first groups to finish) by default; ``--modes`` adds in_order 2.
   Each colocated / sharing one GPU in one process / in two processes (CUDA IPC sync) / on two
   GPUs (NCCL sync) when there are two. The one-GPU placements run the config `tandemrl train`
   takes: ``policy.generation.colocated.enabled`` with ``stand_down`` on for the colocated
@@ -964,7 +964,7 @@ def main() -> None:
         "--modes",
         nargs="+",
         choices=list(MODES),
-        default=["sync", "async_in_order_1", "streaming_weight_fifo"],
+        default=["sync", "async_in_order_1", "streaming_weight_fifo", "streaming_ready_first"],
     )
     parser.add_argument(
         "--stream-chunk-groups",
