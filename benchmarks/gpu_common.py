@@ -142,6 +142,7 @@ class EngineHost(WeightReceiverHost):
         sm_share: Any = None,
         steps_per_launch: int = 1,
         gpu_turns: Any = None,
+        capture_lock: Any = None,
     ) -> None:
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))
@@ -158,6 +159,7 @@ class EngineHost(WeightReceiverHost):
             free_cache_on_sleep=free_cache_on_sleep,
             sm_share=sm_share,
             steps_per_launch=steps_per_launch,
+            capture_lock=capture_lock,
         )
         self.lengths = lengths
         self.step_busy_s = 0.0

@@ -657,16 +657,22 @@ def sm_split(device: torch.device, engine_sms: int) -> tuple[SmShare, SmShare]:
     return split_sms(device, engine_sms)
 
 
-def take_turns(worker: PolicyWorker) -> threading.Lock:
-    """A lock the worker's every call holds (shared_gpu_turns), waiting for the device before
-    it starts (the engine's decode launch in flight) and before it lets go (its own kernels);
-    the engine's steps hold it too (``EngineHost(gpu_turns=...)``)."""
-    turns = threading.Lock()
-    call = worker._executor._locked
-    cuda = torch.cuda.is_available()  # on CPU every call is synchronous already
+def hold_around_calls(worker: PolicyWorker, *, synchronize: bool) -> threading.Lock:
+    """A lock each of the worker's calls holds, for an engine thread in the same process.
 
-    def in_turn(fn: Any, *args: Any, **kwargs: Any) -> Any:
-        with turns:
+    ``synchronize`` (shared_gpu_turns): the call also waits for the device before it starts
+    (the engine's decode launch in flight) and before it lets go (its own kernels), and the
+    engine's steps hold the lock too (``EngineHost(gpu_turns=...)``), so the two take turns.
+    Without it (every other in-process placement) only the engine's CUDA graph captures hold
+    it (``capture_lock``): a device-wide synchronize in the trainer's thread, which inductor
+    runs when it autotunes a new shape, fails while a capture is open in the engine's thread.
+    """
+    lock = threading.Lock()
+    call = worker._executor._locked
+    cuda = synchronize and torch.cuda.is_available()  # on CPU every call is synchronous already
+
+    def held(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        with lock:
             if cuda:
                 torch.cuda.synchronize()
             try:
@@ -675,8 +681,8 @@ def take_turns(worker: PolicyWorker) -> threading.Lock:
                 if cuda:
                     torch.cuda.synchronize()
 
-    worker._executor._locked = in_turn  # type: ignore[method-assign]
-    return turns
+    worker._executor._locked = held  # type: ignore[method-assign]
+    return lock
 
 
 def run_grpo(
@@ -699,7 +705,11 @@ def run_grpo(
         engine_share, worker._executor.sm_share = sm_split(trainer_device, args.engine_sms)
         if args.split_engine == "whole":
             engine_share = None  # the engine decodes on every SM, the trainer on its share
-    gpu_turns = take_turns(worker) if placement == "shared_gpu_turns" else None
+    gpu_turns = capture_lock = None
+    if placement == "shared_gpu_turns":
+        gpu_turns = hold_around_calls(worker, synchronize=True)
+    elif not remote_engine:
+        capture_lock = hold_around_calls(worker, synchronize=False)
     trainer = TimedTrainer(worker)
     sender = FlatWeightSender(worker.model, torch.bfloat16)
     engines: list[Any] = []
@@ -716,6 +726,8 @@ def run_grpo(
             engine_kwargs["sm_share"] = engine_share
         if gpu_turns is not None:
             engine_kwargs["gpu_turns"] = gpu_turns
+        if capture_lock is not None:
+            engine_kwargs["capture_lock"] = capture_lock
         if remote_engine:
             remotes.append(RemoteObject(make_engine_host, engine_kwargs))
             engines.append(remotes[-1])

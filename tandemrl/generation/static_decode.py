@@ -36,6 +36,8 @@ temperature 1 for greedy rows; top-p changes the draw, not the reported logprob)
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -375,6 +377,11 @@ class StaticDecoder:
         # The stream graphs are captured on (None: torch's own side stream). An engine on a
         # share of the SMs (tandemrl.sm_partition) captures on a stream of that share.
         self.capture_stream: torch.cuda.Stream | None = None
+        # Held while a graph is captured, if set. A device-wide synchronize from another thread
+        # of the process fails while a capture is open (cudaErrorStreamCaptureUnsupported, seen
+        # when a trainer sharing the process autotuned a compiled kernel), so such a process
+        # holds the same lock around that thread's CUDA work.
+        self.capture_lock: threading.Lock | None = None
         self._pool: Any = torch.cuda.graph_pool_handle() if use_graphs else None
         # Keys whose step has run (warm-up) at least once: release() keeps this set.
         self._warmed: set[tuple[int, int, bool]] = set()
@@ -606,12 +613,16 @@ class StaticDecoder:
             torch.cuda.current_stream(self.device).wait_stream(stream)
             self._warmed.add(key)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: another thread (a trainer sharing the GPU) may use CUDA meanwhile.
-        with torch.cuda.graph(
-            graph,
-            pool=self._pool,
-            stream=self.capture_stream,
-            capture_error_mode="thread_local",
+        # thread_local: another thread (a trainer sharing the GPU) may use CUDA meanwhile,
+        # short of synchronizing the whole device (see ``capture_lock``).
+        with (
+            self.capture_lock or contextlib.nullcontext(),
+            torch.cuda.graph(
+                graph,
+                pool=self._pool,
+                stream=self.capture_stream,
+                capture_error_mode="thread_local",
+            ),
         ):
             self._decode(*key)
         restore()

@@ -81,6 +81,7 @@ import asyncio
 import heapq
 import logging
 import random
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -192,6 +193,7 @@ class TorchGenerationEngine(GenerationBackend):
         free_cache_on_sleep: bool = True,
         sm_share: SmShare | None = None,
         steps_per_launch: int = 1,
+        capture_lock: threading.Lock | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -265,6 +267,9 @@ class TorchGenerationEngine(GenerationBackend):
         # It also runs on a stream of its own (see _enter_engine_stream): ``sm_share``'s,
         # whose kernels run on that share's SMs only (tandemrl.sm_partition), if given.
         self.sm_share = sm_share
+        # Held while the static decoder captures a CUDA graph (StaticDecoder.capture_lock): for
+        # a process whose other threads use the same GPU, which hold it around their work.
+        self.capture_lock = capture_lock
         self._executor = ThreadPoolExecutor(
             max_workers=1,
             thread_name_prefix="tandemrl-gen",
@@ -678,6 +683,7 @@ class TorchGenerationEngine(GenerationBackend):
             )
             if self.sm_share is not None:
                 self._decoder.capture_stream = self.sm_share.capture_stream
+            self._decoder.capture_lock = self.capture_lock
         if not self._decoder.allocated:
             self._decoder.allocate()
             self._needs_kv_rebuild = bool(self._running)

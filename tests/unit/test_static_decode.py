@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from pathlib import Path
@@ -634,6 +635,46 @@ def test_compiled_call_during_another_threads_trace_runs_eagerly() -> None:
             call_while_another_thread_traces()
         static_decode.allow_compiled_calls_during_traces()
         assert torch.equal(call_while_another_thread_traces(), torch.full((3,), 3.0))
+
+
+def test_graph_capture_waits_for_and_holds_the_capture_lock(
+    preset_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trainer thread sharing the process holds the lock around its CUDA work (a device-wide
+    synchronize fails while a capture is open): a capture waits for it and holds it. CPU: the
+    capture itself is faked, the step inside it runs for real."""
+    lock = threading.Lock()
+    engine = TorchGenerationEngine(
+        preset_path, device="cpu", cuda_graphs="on", max_batch_size=8, max_seq_len=16,
+        capture_lock=lock,
+    )  # fmt: skip
+    decoder = engine._ensure_decoder()
+    assert decoder.capture_lock is lock
+    held_while_capturing: list[bool] = []
+
+    @contextlib.contextmanager
+    def fake_capture(graph: object, **options: object):
+        held_while_capturing.append(lock.locked())
+        yield
+
+    monkeypatch.setattr(torch.cuda, "graph", fake_capture)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", object)
+    key = (8, 16, False)
+    decoder._warmed.add(key)  # no warm-up runs (they need a CUDA side stream)
+
+    def capture_as_the_engine_does() -> None:
+        with torch.inference_mode():
+            decoder._capture(key)
+
+    with lock:  # the trainer's call
+        capture = threading.Thread(target=capture_as_the_engine_does)
+        capture.start()
+        capture.join(0.3)
+        assert capture.is_alive() and held_while_capturing == []
+    capture.join(60)
+    assert not capture.is_alive()
+    assert held_while_capturing == [True] and key in decoder._graphs
+    assert not lock.locked()
 
 
 def test_rebuild_that_finishes_every_row_launches_nothing(preset_path: Path) -> None:
