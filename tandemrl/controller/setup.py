@@ -1,10 +1,13 @@
 """Launch a run's processes on Ray: generation workers, the policy trainer, the controller.
 
-Placement comes from the config:
+Placement comes from the config, never from the machine alone: ``policy.device`` says whether
+the run uses GPUs (``cpu``: none, however many the cluster has; ``cuda``: it needs them;
+``auto``: GPUs when the cluster has any), and the blocks below say how many each process takes.
 
-- CPU only (no GPU in the cluster): each generation worker and the policy trainer reserve one
-  CPU (half a CPU each when the cluster has fewer CPUs than processes), so generation and
-  training run on different cores and overlap in time.
+- CPU run (``policy.device: cpu``, or ``auto`` on a cluster without GPUs): each generation
+  worker and the policy trainer reserve one CPU (half a CPU each when the cluster has fewer
+  CPUs than processes) and no GPU, so generation and training run on different cores and
+  overlap in time.
 - GPU, non-colocated: ``policy.generation.colocated.resources.gpus_per_node`` (k) GPUs go to
   generation, split over ``policy.generation.num_workers`` (one GPU each, or a share of one
   when there are more workers than GPUs; the torch engine drives one GPU, so never more), and
@@ -68,6 +71,28 @@ def plan_placement(cfg: MasterConfig, *, cluster_cpus: float, cluster_gpus: floa
     return Placement(placement.generation_cpus, placement.generation_gpus, cpus, gpus, cpus, gpus)
 
 
+def uses_gpus(cfg: MasterConfig, *, cluster_gpus: float) -> bool:
+    """Whether the run's processes take GPUs: ``policy.device`` decides; ``auto`` follows the
+    cluster. ``cuda`` on a cluster without GPUs is refused, naming the keys to change."""
+    device = cfg.policy.device
+    if device == "cpu":
+        return False
+    if cluster_gpus > 0:
+        return True
+    if device == "cuda":
+        raise PlacementError(
+            "policy.device: cuda, but the Ray cluster has no GPU"
+            + (
+                " (cluster.num_gpus: 0)"
+                if cfg.cluster.num_gpus == 0
+                else " (torch sees none on this machine)"
+            )
+            + "; set policy.device: cpu (or auto) to train on the CPU, or run where a GPU is "
+            "visible"
+        )
+    return False
+
+
 def _plan_policy_placement(
     cfg: MasterConfig, *, cluster_cpus: float, cluster_gpus: float
 ) -> Placement:
@@ -75,22 +100,32 @@ def _plan_policy_placement(
     colocated = cfg.policy.generation.colocated
     processes = workers + 1
     cpus_each = 1.0 if cluster_cpus >= processes else cluster_cpus / processes
-    if cluster_gpus == 0:
+    if not uses_gpus(cfg, cluster_gpus=cluster_gpus):
         if colocated.resources.gpus_per_node > 0:
             raise PlacementError(
                 f"policy.generation.colocated.resources.gpus_per_node="
-                f"{colocated.resources.gpus_per_node} but the Ray cluster has no GPU; set it to 0 "
-                "for a CPU run"
+                f"{colocated.resources.gpus_per_node} asks for generation GPUs, but this is a "
+                f"CPU run (policy.device: {cfg.policy.device}, {int(cluster_gpus)} GPU(s) in "
+                "the cluster); set it to 0, or policy.device: cuda on a machine with GPUs"
             )
         return Placement(cpus_each, 0.0, cpus_each, 0.0)
     if colocated.enabled:
         return Placement(cpus_each, 0.5 / workers, cpus_each, 0.5)
     generation_gpus = colocated.resources.gpus_per_node
+    gpus = int(cluster_gpus)
+    if gpus < 2:
+        raise PlacementError(
+            f"a GPU run with generation on GPUs of its own (policy.generation.colocated.enabled: "
+            f"false) needs at least 2 GPUs, one to generate and one to train; the cluster has "
+            f"{gpus}. On one GPU set policy.generation.colocated.enabled: true (generation and "
+            "training share it); to train on the CPU set policy.device: cpu"
+        )
     if generation_gpus < 1 or generation_gpus >= cluster_gpus:
         raise PlacementError(
-            f"non-colocated generation needs policy.generation.colocated.resources.gpus_per_node "
-            f"between 1 and {int(cluster_gpus) - 1} (the rest train); got {generation_gpus} "
-            f"with {int(cluster_gpus)} GPU(s) in the cluster"
+            f"policy.generation.colocated.resources.gpus_per_node={generation_gpus}: with "
+            f"generation on GPUs of its own (colocated.enabled: false) and {gpus} GPUs in the "
+            f"cluster, give generation 1 to {gpus - 1} of them (the trainer takes one of the "
+            f"rest), e.g. policy.generation.colocated.resources.gpus_per_node=1"
         )
     if generation_gpus > workers:
         raise PlacementError(

@@ -128,7 +128,7 @@ def test_placement_refuses_more_gpus_than_workers_and_no_gpu_left_to_train() -> 
             cluster_cpus=8,
             cluster_gpus=4,
         )
-    with pytest.raises(PlacementError, match="between 1 and 1"):
+    with pytest.raises(PlacementError, match="give generation 1 to 1 of them"):
         plan_placement(
             cfg("policy.generation.colocated.resources.gpus_per_node=2"),
             cluster_cpus=8,
@@ -136,3 +136,39 @@ def test_placement_refuses_more_gpus_than_workers_and_no_gpu_left_to_train() -> 
         )
     colocated = plan_placement(cfg(*COLOCATED), cluster_cpus=8, cluster_gpus=1)
     assert (colocated.generation_gpus, colocated.trainer_gpus) == (0.5, 0.5)
+
+
+@pytest.mark.parametrize("cluster_gpus", [0, 1, 2, 8])
+def test_a_cpu_run_takes_no_gpu_however_many_the_cluster_has(cluster_gpus: int) -> None:
+    """The README's main job (policy.device: cpu) on machines with 0, 1 and several GPUs."""
+    main_job = load_config("examples/configs/grpo_tiny_cpu.yaml")
+    placement = plan_placement(main_job, cluster_cpus=16, cluster_gpus=cluster_gpus)
+    assert (placement.generation_gpus, placement.trainer_gpus) == (0.0, 0.0)
+    assert (placement.generation_cpus, placement.trainer_cpus) == (1.0, 1.0)
+    facts = facts_from_config(main_job, cluster_gpus=cluster_gpus)
+    assert resolve_weight_sync(main_job, facts) == "object_store"
+
+
+@pytest.mark.parametrize("cluster_gpus", [0, 1, 2, 8])
+def test_auto_device_follows_the_cluster(cluster_gpus: int) -> None:
+    colocated = plan_placement(cfg(*COLOCATED), cluster_cpus=16, cluster_gpus=cluster_gpus)
+    expected = (0.0, 0.0) if cluster_gpus == 0 else (0.5, 0.5)
+    assert (colocated.generation_gpus, colocated.trainer_gpus) == expected
+
+
+def test_a_gpu_run_that_cannot_be_placed_says_which_key_to_change() -> None:
+    with pytest.raises(PlacementError) as one_gpu:
+        plan_placement(cfg(), cluster_cpus=16, cluster_gpus=1)
+    message = str(one_gpu.value)
+    assert "needs at least 2 GPUs" in message
+    assert "policy.generation.colocated.enabled: true" in message
+    assert "policy.device: cpu" in message
+    with pytest.raises(PlacementError) as no_gpu:
+        plan_placement(cfg(*GPU_RUN), cluster_cpus=16, cluster_gpus=0)
+    assert "policy.device: cuda, but the Ray cluster has no GPU" in str(no_gpu.value)
+    with pytest.raises(PlacementError, match="this is a CPU run"):
+        plan_placement(
+            cfg("policy.device=cpu", "policy.generation.colocated.resources.gpus_per_node=1"),
+            cluster_cpus=16,
+            cluster_gpus=2,
+        )
