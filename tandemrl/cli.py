@@ -1,14 +1,21 @@
 """The ``tandemrl`` command: ``train``, ``validate`` and ``inspect``.
 
 ``validate`` is the dry run: it loads the config exactly as ``train`` would (overrides,
-interpolation, key and type checks, every cross-field rule) and starts nothing. Exit codes:
-0 valid, 2 invalid config or a part of TandemRL that is not available.
+interpolation, key and type checks, every cross-field rule), checks what the run needs on this
+machine (model folder, dataset, ``env.target``, a GPU for ``policy.device: cuda``; skipped with
+``--no-runtime-checks``) and starts nothing. Exit codes: 0 valid, 2 invalid config or a part of
+TandemRL that is not available.
+
+``train`` exits 0 when the run finished, 2 when it could not start (nothing was started or
+changed; one line per reason), 1 when it failed, and 128 + the signal's number when SIGINT or
+SIGTERM stopped it.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +30,7 @@ from tandemrl.config import (
 )
 
 EXIT_OK = 0
+EXIT_FAILED = 1
 EXIT_INVALID = 2
 
 
@@ -47,11 +55,21 @@ def _build_parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser("train", help="train from a config")
     _add_config_arguments(train)
+    train.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace another run's metrics in logger.log_dir (at the first step, not before)",
+    )
     train.set_defaults(handler=_train)
 
     validate = commands.add_parser("validate", help="check a config without starting anything")
     _add_config_arguments(validate)
     validate.add_argument("--print", action="store_true", help="print the resolved config as YAML")
+    validate.add_argument(
+        "--no-runtime-checks",
+        action="store_true",
+        help="skip the checks of this machine (model folder, dataset file, env.target, GPU)",
+    )
     validate.set_defaults(handler=_validate)
 
     inspect = commands.add_parser(
@@ -98,6 +116,15 @@ def _validate(args: argparse.Namespace) -> int:
     cfg = _load_and_validate(args, show_warnings=True)
     if cfg is None:
         return EXIT_INVALID
+    if not args.no_runtime_checks:
+        from tandemrl.preflight import runtime_problems
+
+        problems = runtime_problems(cfg)
+        if problems:
+            print(f"{args.config}: cannot run on this machine", file=sys.stderr)
+            for message in problems:
+                print(message, file=sys.stderr)
+            return EXIT_INVALID
     if args.print:
         print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
     else:
@@ -116,8 +143,46 @@ def _train(args: argparse.Namespace) -> int:
     )
     if run_training is None:
         return EXIT_INVALID
-    result = run_training(cfg)
+    from tandemrl.preflight import RunRefused
+
+    try:
+        result = run_training(cfg, overwrite_logs=args.overwrite)
+    except RunRefused as refused:
+        print(f"{args.config}: cannot start", file=sys.stderr)
+        for message in refused.problems:
+            print(message, file=sys.stderr)
+        return EXIT_INVALID
+    except Exception as exc:
+        if cfg.logger.level == "DEBUG":
+            traceback.print_exc()
+        print(f"tandemrl train: failed: {failure_summary(exc)}", file=sys.stderr)
+        if cfg.logger.level != "DEBUG":
+            print(
+                "(the workers' tracebacks are above; logger.level=DEBUG prints the driver's)",
+                file=sys.stderr,
+            )
+        return EXIT_FAILED
     return result if isinstance(result, int) else EXIT_OK
+
+
+def failure_summary(exc: BaseException) -> str:
+    """One line for a failed run: the innermost cause (a Ray error wraps the worker's own
+    exception), its type and the first line of its message."""
+    cause: BaseException = exc
+    seen: set[int] = set()
+    while id(cause) not in seen:
+        seen.add(id(cause))
+        inner = getattr(cause, "cause", None)  # ray.exceptions.RayTaskError
+        if isinstance(inner, BaseException):
+            cause = inner
+            continue
+        if cause.__cause__ is not None:
+            cause = cause.__cause__
+            continue
+        break
+    lines = [line for line in str(cause).splitlines() if line.strip()]
+    first = lines[0].strip() if lines else ""
+    return f"{type(cause).__name__}: {first}" if first else type(cause).__name__
 
 
 def _inspect(args: argparse.Namespace) -> int:

@@ -87,3 +87,5 @@ class RowMeta:
     truncated: bool
     start_weight_version: int
     end_weight_version: int
+    # Numeric metadata of the environment's result (e.g. ``correct``), averaged per step.
+    env_metrics: dict[str, float] | None = None

@@ -30,6 +30,7 @@ BUILTIN_EXCLUDED_PATHS: tuple[str, ...] = (
     "checkpointing.save_period",
     "checkpointing.keep_top_k",
     "checkpointing.save_optimizer",
+    "checkpointing.preemption_grace_s",
     "rollout_checkpointing.**",
     "data_plane.call_timeout_s",
     "data_plane.num_storage_units",

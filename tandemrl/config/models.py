@@ -365,6 +365,9 @@ class CheckpointingConfig(Strict):
     save_optimizer: bool = True
     # Trainer checkpoints kept on disk (oldest removed first); None keeps all.
     keep_top_k: int | None = Field(None, ge=1)
+    # On SIGTERM/SIGINT: seconds to finish the step in flight and write the last checkpoint
+    # before the run is stopped without one.
+    preemption_grace_s: float = Field(120.0, gt=0.0)
 
 
 class RolloutCheckpointingConfig(Strict):
@@ -430,6 +433,14 @@ class LoggerConfig(Strict):
     plot: bool = True
     progress: bool = True
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    # Every N steps, a few completions with their rewards go to samples.jsonl and TensorBoard
+    # (0: never).
+    sample_log_period: int = Field(10, ge=0)
+    # At the end of every run the trained policy is written as a transformers model folder
+    # (weights, config, generation config, tokenizer) to final_model_dir, relative to log_dir
+    # unless absolute.
+    save_final_model: bool = True
+    final_model_dir: str = "final_model"
 
 
 class MasterConfig(Strict):

@@ -6,6 +6,10 @@ dataloader, ledger) from the config in its own process, runs both pumps in its e
 and lets the driver poll finished steps (``progress``) and what each pump waits on
 (``status``) while ``run`` is in progress. It reserves no CPU: it mostly waits.
 
+The metrics files (``metrics.jsonl``, TensorBoard, samples, the plot) are written here, in
+the controller's process, as each step closes and before its checkpoint: a restart from a
+checkpoint never lacks the rows of the steps it holds. The driver only shows progress.
+
 The weight synchroniser is the one part chosen here rather than in ``build_controller``:
 ``make_weight_sync`` turns the transport settled at launch (``object_store``, ``cuda_ipc`` or
 ``nccl``) into an object whose ``sync(version)`` drives the trainer and generation actors; the
@@ -28,6 +32,7 @@ from tandemrl.controller.single_controller import SingleController
 from tandemrl.controller.weight_sync import RayObjectStoreWeightSync, WeightSynchronizer
 from tandemrl.controller.weight_sync_cuda import CudaIpcWeightSync, NcclWeightSync
 from tandemrl.envs import create_environment
+from tandemrl.metrics.logger import MetricsLogger
 from tandemrl.models import load_tokenizer
 from tandemrl.rollout.generation_pool import GenerationPool
 from tandemrl.rollout.manager import TextCodec
@@ -120,6 +125,7 @@ class SingleControllerActor:
         *,
         value_trainer_handle: Any = None,
         weight_sync: str = "object_store",
+        overwrite_logs: bool = False,
     ) -> None:
         torch.set_num_threads(1)
         logging.basicConfig(level=cfg.logger.level)
@@ -130,10 +136,11 @@ class SingleControllerActor:
         self.restore_plan = restore_plan
         self.value_trainer_handle = value_trainer_handle  # PPO critic; None on GRPO
         self.weight_sync = weight_sync  # the transport settled at launch
+        self.overwrite_logs = overwrite_logs
         self.controller: SingleController | None = None
         self._run_task: asyncio.Task[Any] | None = None
 
-    def _build(self) -> SingleController:
+    def _build(self, metrics: MetricsLogger) -> SingleController:
         engines = [ActorProxy(handle) for handle in self.engine_handles]
         parts = ControllerParts(
             trainer=ActorProxy(self.trainer_handle),
@@ -150,20 +157,40 @@ class SingleControllerActor:
             if self.value_trainer_handle is None
             else ActorProxy(self.value_trainer_handle),
             coalesce_generate_calls=True,
+            metrics_sink=metrics,
         )
         return build_controller(self.cfg, parts, model_path=self.model_path)
 
     async def run(self) -> list[dict[str, float]]:
-        self.controller = self._build()
-        self._run_task = asyncio.current_task()
-        await resume(self.controller, self.restore_plan)
-        return await self.controller.run()
+        plan = self.restore_plan
+        # Opens nothing until the first step: a run failing before it leaves log_dir as it was.
+        metrics = MetricsLogger(
+            self.cfg.logger,
+            resume_step=0 if plan.fresh else plan.step + 1,
+            total_steps=self.cfg.algorithm.max_num_steps,
+            display=False,
+            overwrite=self.overwrite_logs,
+        )
+        try:
+            self.controller = self._build(metrics)
+            self._run_task = asyncio.current_task()
+            await resume(self.controller, plan)
+            return await self.controller.run()
+        finally:
+            metrics.close()  # flushes, and writes the plot
 
     async def progress(self, since: int) -> list[dict[str, float]]:
-        """Metrics rows of the steps finished after the first ``since`` ones."""
+        """Metrics rows of the steps finished after the first ``since`` ones (the driver has
+        shown the first ``since``; the controller forgets them)."""
         if self.controller is None:
             return []
-        return self.controller.history[since:]
+        return self.controller.take_progress(since)
+
+    async def request_stop(self) -> None:
+        """Stop gracefully (SIGTERM, Ctrl-C at the driver): ``run`` returns after the step in
+        flight, with a last checkpoint when checkpointing is on."""
+        if self.controller is not None:
+            self.controller.request_stop()
 
     async def status(self) -> dict[str, Any]:
         if self.controller is None:

@@ -22,7 +22,12 @@ from tandemrl.checkpoint.writer import CheckpointWriter
 from tandemrl.config.models import MasterConfig
 from tandemrl.controller.barrier import CheckpointBarrier
 from tandemrl.controller.ppo_step import PPOStepRunner
-from tandemrl.controller.single_controller import ControllerSettings, SingleController, StepHook
+from tandemrl.controller.single_controller import (
+    ControllerSettings,
+    SingleController,
+    StepHook,
+    StepSink,
+)
 from tandemrl.controller.step_runner import GRPOStepRunner, StepRunner
 from tandemrl.controller.weight_sync import DirectWeightSync, WeightSynchronizer
 from tandemrl.data.dataloader import PromptDataLoader
@@ -50,6 +55,8 @@ class ControllerParts:
     value_trainer: Any = None  # PPO: the critic (a ValueTrainer); None on GRPO
     # Remote engines (Ray actors): send one generate call per worker per event-loop turn.
     coalesce_generate_calls: bool = False
+    # Where each step's metrics row is written before its checkpoint (None: kept in history).
+    metrics_sink: StepSink | None = None
 
 
 def make_step_runner(
@@ -100,6 +107,7 @@ def controller_settings(cfg: MasterConfig) -> ControllerSettings:
         on_dropped_prompt=failure.on_dropped_prompt,
         min_step_batch_fraction=failure.min_step_batch_fraction,
         replacement_reserve_size=failure.replacement_reserve_size,
+        sample_log_period=cfg.logger.sample_log_period,
     )
 
 
@@ -194,6 +202,7 @@ def build_controller(
         journal=journal,
         watchdog_cfg=cfg.async_rl.stall_watchdog,
         commit_log=commit_log,
+        metrics_sink=parts.metrics_sink,
     )
 
 

@@ -1,25 +1,85 @@
-"""``tandemrl train``: the driver. Validates, starts Ray, launches workers and the controller.
+"""``tandemrl train``: the driver. Checks, starts Ray, launches workers and the controller.
 
-The driver owns what a user looks at: the progress display and the metrics files (JSONL,
-TensorBoard, the final plot). It polls the controller actor for finished steps every
-``POLL_INTERVAL_S`` and writes them; the pumps themselves run inside the actor.
+Before anything starts (no Ray, nothing written) the driver refuses what cannot run: a runtime
+problem of the config (``tandemrl.preflight``), a ``logger.log_dir`` that holds another run's
+metrics (``--overwrite`` replaces them), and a checkpointed run that is already complete.
+
+While the run is on, the driver shows progress: it polls the controller actor for finished
+steps every ``POLL_INTERVAL_S``. The metrics files themselves are written by the controller
+actor (``tandemrl.controller.actor``), before each step's checkpoint.
+
+Stopping: the first SIGINT (Ctrl-C) or SIGTERM (what Slurm and Kubernetes send before a kill)
+asks the controller to stop gracefully: it admits nothing more, finishes the step in flight,
+writes a last checkpoint when checkpointing is on (within ``checkpointing.preemption_grace_s``),
+and the driver says at which step it stopped and how to resume, stops Ray and exits with
+128 + the signal's number. A second signal stops at once.
+
+At the end of a run the trained policy is written as a transformers folder
+(``logger.save_final_model``, ``logger.final_model_dir``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
 
+from tandemrl.checkpoint.restore import RestorePlan, plan_restore
 from tandemrl.config import MasterConfig, validate_single_controller_config
-from tandemrl.metrics.logger import MetricsLogger
+from tandemrl.metrics.logger import previous_run_files
+from tandemrl.metrics.progress import ProgressDisplay
+from tandemrl.preflight import RunRefused, runtime_problems
 
 log = logging.getLogger(__name__)
 
 # How often the driver asks the controller for finished steps (seconds).
 POLL_INTERVAL_S = 0.5
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_REFUSED = 2
+
+
+class _StopNow(Exception):
+    """A second stop signal: end at once."""
+
+
+@dataclass
+class StopSignals:
+    """SIGINT/SIGTERM while a run is on: the first asks for a graceful stop, the second raises
+    ``_StopNow`` wherever the driver is."""
+
+    signum: int | None = None
+    _previous: dict[int, Any] | None = None
+
+    def install(self) -> None:
+        self._previous = {
+            sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)
+        }
+
+    def restore(self) -> None:
+        for sig, handler in (self._previous or {}).items():
+            signal.signal(sig, handler)
+        self._previous = None
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum is not None:
+            raise _StopNow
+        self.signum = signum
+        log.warning(
+            "%s received: stopping after the step in flight (send it again to stop at once)",
+            signal.Signals(signum).name,
+        )
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + (self.signum or 0)
 
 
 def init_ray(cfg: MasterConfig) -> None:
@@ -44,7 +104,33 @@ def init_ray(cfg: MasterConfig) -> None:
     )
 
 
-def run_training(cfg: MasterConfig) -> int:
+def check_run_can_start(cfg: MasterConfig, plan: RestorePlan, *, overwrite_logs: bool) -> None:
+    """Raise ``RunRefused`` with every reason the run cannot start; changes nothing."""
+    problems = runtime_problems(cfg)
+    if plan.fresh and not overwrite_logs:
+        found = previous_run_files(cfg.logger.log_dir)
+        if found:
+            names = ", ".join(path.name for path in found)
+            problems.append(
+                f"logger.log_dir={cfg.logger.log_dir!r} already holds another run ({names}); a "
+                "new run there would mix with it. Set logger.log_dir to a new folder (e.g. "
+                f"logger.log_dir={cfg.logger.log_dir.rstrip('/')}_2), or pass --overwrite to "
+                "replace it"
+                + (
+                    ""
+                    if cfg.checkpointing.enabled
+                    else "; to continue a run, enable checkpointing (checkpointing.enabled: true)"
+                )
+            )
+    if problems:
+        raise RunRefused(problems)
+
+
+def run_already_complete(cfg: MasterConfig, plan: RestorePlan) -> bool:
+    return not plan.fresh and plan.step >= cfg.algorithm.max_num_steps
+
+
+def run_training(cfg: MasterConfig, *, overwrite_logs: bool = False) -> int:
     """Train until max_num_steps or the data runs out; return a process exit code."""
     if cfg.cluster.address is None:
         # Embedded single-machine Ray: keep every socket (TransferQueue's included) on loopback.
@@ -60,35 +146,116 @@ def run_training(cfg: MasterConfig) -> int:
     torch.set_num_threads(1)
     for warning in validate_single_controller_config(cfg):
         log.warning("%s", warning)
+    # Read-only: what a restart would resume, decided before any process starts.
+    plan = plan_restore(cfg)
+    if run_already_complete(cfg, plan):
+        log.warning(
+            "this run is already complete: %s holds step %d of %d (%s). To train further, raise "
+            "%s.max_num_steps; to start a new run, set checkpointing.checkpoint_dir and "
+            "logger.log_dir to new folders",
+            cfg.checkpointing.checkpoint_dir,
+            plan.step,
+            cfg.algorithm.max_num_steps,
+            plan.trainer_dir,
+            "ppo" if cfg.is_ppo else "grpo",
+        )
+        return EXIT_OK
+    check_run_can_start(cfg, plan, overwrite_logs=overwrite_logs)
+    if cfg.checkpointing.enabled:
+        log.info("%s", plan.describe())
+    else:
+        log.info("a new run; checkpointing is off, so a stopped run cannot be resumed")
+
     started_ray = not ray.is_initialized()
     init_ray(cfg)
-    launched = launch(cfg)
-    metrics = MetricsLogger(
-        cfg.logger, resume_step=launched.resume_step, total_steps=cfg.algorithm.max_num_steps
-    )
+    signals = StopSignals()
+    signals.install()  # after ray.init: Ray's own SIGTERM handler would only dump a stack
+    launched = None
     try:
-        run_ref = launched.controller.run.remote()
-        seen = 0
-        while True:
-            done, _ = ray.wait([run_ref], timeout=POLL_INTERVAL_S)
-            seen = _drain_progress(launched.controller, metrics, seen)
-            if done:
-                ray.get(run_ref)  # re-raises a pump's exception here
-                break
-        _drain_progress(launched.controller, metrics, seen)
+        launched = launch(cfg, plan, overwrite_logs=overwrite_logs)
+        step = _drive(cfg, launched, signals)
+        if signals.signum is None or not cfg.checkpointing.enabled:
+            _save_final_model(cfg, launched)
+        if signals.signum is not None:
+            _say_stopped(cfg, step)
+            return signals.exit_code
+    except _StopNow:
+        log.warning("stopped at once (second signal); the last checkpoint is what resumes")
+        return signals.exit_code
     finally:
-        metrics.close()
-        launched.shutdown()
+        signals.restore()
+        if launched is not None:
+            launched.shutdown()
         if started_ray:
             ray.shutdown()
     log.info("training finished; metrics in %s", cfg.logger.log_dir)
-    return 0
+    return EXIT_OK
 
 
-def _drain_progress(controller: Any, metrics: MetricsLogger, seen: int) -> int:
+def _drive(cfg: MasterConfig, launched: Any, signals: StopSignals) -> int:
+    """Run the controller to its end, showing progress; return the last finished step."""
     import ray
 
-    rows = ray.get(controller.progress.remote(seen))
-    for row in rows:
-        metrics.log_step(row)
-    return seen + len(rows)
+    display = ProgressDisplay(
+        enabled=cfg.logger.progress,
+        total_steps=cfg.algorithm.max_num_steps,
+        initial_step=max(launched.resume_step - 1, 0),
+    )
+    step = max(launched.resume_step - 1, 0)
+    seen = 0
+    stop_deadline: float | None = None
+    try:
+        run_ref = launched.controller.run.remote()
+        while True:
+            if signals.signum is not None and stop_deadline is None:
+                launched.controller.request_stop.remote()
+                stop_deadline = time.monotonic() + cfg.checkpointing.preemption_grace_s
+            done, _ = ray.wait([run_ref], timeout=POLL_INTERVAL_S)
+            rows = ray.get(launched.controller.progress.remote(seen))
+            for row in rows:
+                display.update(row)
+                step = int(row["step"])
+            seen += len(rows)
+            if done:
+                ray.get(run_ref)  # re-raises a pump's exception here
+                break
+            if stop_deadline is not None and time.monotonic() > stop_deadline:
+                log.warning(
+                    "the run did not stop within checkpointing.preemption_grace_s=%s s",
+                    cfg.checkpointing.preemption_grace_s,
+                )
+                break
+    finally:
+        display.close()
+    return step
+
+
+def _save_final_model(cfg: MasterConfig, launched: Any) -> None:
+    if not cfg.logger.save_final_model:
+        return
+    import ray
+
+    target = Path(cfg.logger.final_model_dir)
+    if not target.is_absolute():
+        target = Path(cfg.logger.log_dir) / target
+    path = ray.get(launched.trainer.save_final_model.remote(str(target.resolve())))
+    log.info("final model (a transformers folder) saved to %s", path)
+
+
+def _say_stopped(cfg: MasterConfig, step: int) -> None:
+    if cfg.checkpointing.enabled:
+        log.warning(
+            "stopped at step %d; the last checkpoint is in %s: run the same command to resume",
+            step,
+            cfg.checkpointing.checkpoint_dir,
+        )
+    else:
+        log.warning(
+            "stopped at step %d; checkpointing is off (checkpointing.enabled: false), so this "
+            "run cannot be resumed (a new one needs --overwrite or a new logger.log_dir)%s",
+            step,
+            f"; the model of step {step} is in "
+            f"{Path(cfg.logger.log_dir) / cfg.logger.final_model_dir}"
+            if cfg.logger.save_final_model
+            else "",
+        )

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandemrl.checkpoint.restore import plan_restore
+from tandemrl.checkpoint.restore import RestorePlan, plan_restore
 from tandemrl.config.models import MasterConfig
 from tandemrl.config.weight_sync import facts_from_config, resolve_weight_sync
 from tandemrl.controller.actor import SingleControllerActor
@@ -160,12 +160,16 @@ class Launched:
             ray.kill(handle, no_restart=True)
 
 
-def launch(cfg: MasterConfig) -> Launched:
+def launch(
+    cfg: MasterConfig, plan: RestorePlan | None = None, *, overwrite_logs: bool = False
+) -> Launched:
+    """Start the workers and the controller actor (``run`` is not called yet). ``plan``: what
+    to resume, decided read-only before (``plan_restore``); ``overwrite_logs``: the run may
+    replace another run's files in ``logger.log_dir``."""
     import ray
 
-    # Read-only: decide what to resume before any process starts (a refusal modifies nothing).
-    plan = plan_restore(cfg)
-    log.info("%s", plan.describe())
+    if plan is None:
+        plan = plan_restore(cfg)
 
     resources = ray.cluster_resources()
     placement = plan_placement(
@@ -237,6 +241,7 @@ def launch(cfg: MasterConfig) -> Launched:
             plan,
             value_trainer_handle=value_trainer,
             weight_sync=weight_sync,
+            overwrite_logs=overwrite_logs,
         )
     )
     # Fail here, not mid-run, when a worker cannot start (bad model folder, no memory).

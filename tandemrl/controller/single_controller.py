@@ -29,7 +29,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from tandemrl.checkpoint.commit_log import CommitLog
 from tandemrl.checkpoint.commit_replay import CommitRecorder
@@ -72,6 +72,8 @@ class ControllerSettings:
     on_dropped_prompt: str = "shrink"
     min_step_batch_fraction: float = 0.5
     replacement_reserve_size: int = 0
+    # Every this many steps, the last few completions go to the metrics sink (0: never).
+    sample_log_period: int = 0
 
 
 @dataclass
@@ -103,6 +105,15 @@ class ControllerState:
 StepHook = Callable[["SingleController", dict[str, float]], Awaitable[None]]
 
 
+class StepSink(Protocol):
+    """Where each step's metrics row (and now and then a few samples) is written, in the
+    controller's process, before the step's checkpoint (``tandemrl.metrics.MetricsLogger``)."""
+
+    def log_step(self, metrics: dict[str, Any]) -> None: ...
+
+    def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None: ...
+
+
 class SingleController:
     def __init__(
         self,
@@ -123,8 +134,10 @@ class SingleController:
         journal: RunJournal | None = None,
         watchdog_cfg: StallWatchdogConfig | None = None,
         commit_log: CommitLog | None = None,
+        metrics_sink: StepSink | None = None,
     ) -> None:
         self.settings = settings
+        self.metrics_sink = metrics_sink
         self.buffer = buffer
         self.sampler = sampler
         self.data_plane = data_plane
@@ -166,6 +179,8 @@ class SingleController:
         self._changed: asyncio.Event | None = None
         self._rollout_done = False
         self._stopping = False
+        # A graceful stop (SIGTERM, Ctrl-C): no new admissions, no new step; see request_stop.
+        self.stop_requested = False
         self._acc = StepAccumulator()
         self._fatal: asyncio.Future[None] | None = None
         # The last step's tail (weight sync, metrics row, checkpoint, hooks) when it runs while
@@ -173,7 +188,10 @@ class SingleController:
         self._step_tail: asyncio.Task[None] | None = None
         self.waiting_on: dict[str, str] = {"rollout": "not started", "train": "not started"}
         self.last_progress_at = time.monotonic()
+        # Metrics rows of finished steps not yet taken by ``take_progress`` (the driver's
+        # display); a controller run without a driver keeps them all.
         self.history: list[dict[str, float]] = []
+        self._history_taken = 0  # rows taken and forgotten before history[0]
         # (step index, group) for every group trained by this process: the per-run record.
         self.trained_groups: list[tuple[int, TrainedGroup]] = []
 
@@ -186,6 +204,23 @@ class SingleController:
     @property
     def inflight_count(self) -> int:
         return len(self._inflight)
+
+    def take_progress(self, since: int) -> list[dict[str, float]]:
+        """Rows of the steps finished after the first ``since`` ones; rows before ``since``
+        have been seen by the caller and are forgotten (memory stays flat on long runs)."""
+        forget = min(max(since - self._history_taken, 0), len(self.history))
+        if forget:
+            del self.history[:forget]
+            self._history_taken += forget
+        return self.history[max(since - self._history_taken, 0) :]
+
+    def request_stop(self) -> None:
+        """Stop gracefully: admit nothing more, start no new step, end the step being
+        assembled without training it (its groups go back to the buffer), then ``run``
+        writes the final checkpoint (when checkpointing is on) and returns. Groups in flight
+        stay in the ownership ledger, so a restart redispatches them."""
+        self.stop_requested = True
+        self._notify()
 
     async def run(self) -> list[dict[str, float]]:
         """Run both pumps until max_num_steps or the data runs out; return per-step metrics."""
@@ -270,7 +305,7 @@ class SingleController:
             await self._wait_for_permission()
             self._launch(group)
 
-        while not self._stopping:
+        while not self._stopping and not self.stop_requested:
             self._fill_replacement_reserve()
             if not self._has_prompt():
                 break
@@ -296,7 +331,8 @@ class SingleController:
             self._launch(group)
             self.waiting_on["rollout"] = "dispatching"
         self._rollout_done = True
-        self.waiting_on["rollout"] = "data exhausted" if not self._stopping else "stopped"
+        stopped = self._stopping or self.stop_requested
+        self.waiting_on["rollout"] = "stopped" if stopped else "data exhausted"
         self._notify()
 
     # The replacement reserve (on_dropped_prompt: replace) holds spare prompts drawn ahead from
@@ -440,10 +476,11 @@ class SingleController:
     # ------------------------------------------------------------------ train pump
 
     async def _train_pump(self) -> None:
-        while self.state.step < self.settings.max_num_steps:
+        while self.state.step < self.settings.max_num_steps and not self.stop_requested:
             trained = await self._train_one_step()
             if not trained:
-                log.info("no complete step can be assembled any more; ending the run")
+                if not self.stop_requested:
+                    log.info("no complete step can be assembled any more; ending the run")
                 break
         await self._await_step_tail()
         self.waiting_on["train"] = "finished"
@@ -462,7 +499,7 @@ class SingleController:
                 max_prompt_groups=remaining,
             )
             if slots is None:
-                if self._no_more_groups_can_arrive():
+                if self._no_more_groups_can_arrive() or self.stop_requested:
                     await self._roll_back(claimed)
                     return False
                 self.waiting_on["train"] = (
@@ -565,6 +602,7 @@ class SingleController:
                 version - slot.start_weight,  # staleness
                 [meta.reward for meta in metas],  # rewards
                 sum([meta.num_completion_tokens for meta in metas]),  # completion_tokens
+                [meta.env_metrics for meta in metas],  # env_metrics
             )
             self._acc.groups.append(trained)
             self.trained_groups.append((self.state.step, trained))
@@ -691,6 +729,14 @@ class SingleController:
         )
         self.history.append(row)
         self.last_progress_at = time.monotonic()
+        if self.metrics_sink is not None:
+            # Written before the step's checkpoint: a restart from it never lacks the row.
+            self.metrics_sink.log_step(row)
+            period = self.settings.sample_log_period
+            if period and self.state.step % period == 0:
+                self.metrics_sink.log_samples(
+                    self.state.step, self.rollout_manager.take_recent_samples()
+                )
         await self._maybe_checkpoint()
         for hook in self.step_hooks:
             await hook(self, row)

@@ -20,6 +20,8 @@ class TrainedGroup:
     staleness: int
     rewards: list[float]
     completion_tokens: int
+    # Per row, the environment's numeric metadata (None where it reported none).
+    env_metrics: list[dict[str, float] | None] = field(default_factory=list)
 
 
 @dataclass
@@ -66,5 +68,21 @@ class StepAccumulator:
             "dropped_prompts": self.dropped_prompts,
             "replaced_prompts": self.replaced_prompts,
         }
+        row.update(env_metric_means(self.groups))
         row.update(extra)
         return row
+
+
+def env_metric_means(groups: list[TrainedGroup]) -> dict[str, float]:
+    """``env/<key>``: the mean over the step's rows of each numeric metadata value the
+    environment reported (rows that did not report a key do not count toward its mean)."""
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for group in groups:
+        for metrics in group.env_metrics:
+            if not metrics:
+                continue
+            for key, value in metrics.items():
+                sums[key] = sums.get(key, 0.0) + value
+                counts[key] = counts.get(key, 0) + 1
+    return {f"env/{key}": sums[key] / counts[key] for key in sorted(sums)}

@@ -114,13 +114,15 @@ class MathEnv(Environment):
         metadata: dict[str, object] = {"extraction": rule, "truncated": truncated}
         metadata.update(self.item_metadata(item))
         if answer_text is None:
-            metadata["malformed"] = True
+            metadata.update(malformed=True, correct=False)
             return EnvResult(reward=0.0, metadata=metadata)
         try:
             answer = parse_number(answer_text)
         except (ValueError, ZeroDivisionError):
             # A completion such as "1/0" is the model's malformed output, not a scoring error.
-            metadata.update(malformed=True, extracted=answer_text, extraction="unparsable")
+            metadata.update(
+                malformed=True, extracted=answer_text, extraction="unparsable", correct=False
+            )
             return EnvResult(reward=0.0, metadata=metadata)
         correct = answers_match(answer, target, abs_tol=self.abs_tol, rel_tol=self.rel_tol)
         metadata.update(malformed=False, extracted=answer_text, correct=correct)

@@ -5,16 +5,22 @@ field (``REQUIRED_FIELDS``) is missing or the step does not come after the last 
 
 - appends one JSON object as one line to ``metrics.jsonl`` and flushes it (``logger.jsonl``);
 - writes every numeric field as a TensorBoard scalar at that step (``logger.tensorboard``);
-- updates the progress display (rich bar, or one log line per step).
+- updates the progress display (rich bar, or one log line per step) unless ``display=False``.
 
-``close()`` writes ``reward_throughput.png`` (reward_mean and tokens_per_s per step, two
-panels) when ``logger.plot`` is on and at least one step was logged.
+``log_samples(step, samples)`` appends a few sampled completions with their rewards to
+``samples.jsonl`` and to TensorBoard as text. ``close()`` writes ``reward_throughput.png``
+(reward_mean and tokens_per_s per step, two panels) when ``logger.plot`` is on and at least one
+step was logged.
+
+Nothing in ``log_dir`` is touched before the first step is logged: a run that fails during
+setup leaves an earlier run's files as they were.
 
 Restarts: an existing ``metrics.jsonl`` is appended to, never truncated. With
 ``resume_step=N`` the file is first rewritten atomically keeping only lines with
 ``step < N`` (steps at or after the checkpoint are trained again and logged again); pass
-``resume_step=0`` to start a fresh run in a used ``log_dir``. A torn last line (the process
-was killed mid-write) is dropped with a warning.
+``resume_step=0`` to start a fresh run in a used ``log_dir``, and ``overwrite=True`` to also
+remove that run's TensorBoard events, samples and plot (both at the first logged step). A torn
+last line (the process was killed mid-write) is dropped with a warning.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -47,8 +54,26 @@ REQUIRED_FIELDS: tuple[str, ...] = (
     "weight_sync_s",
 )
 METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.jsonl"
 PLOT_FILE = "reward_throughput.png"
 TENSORBOARD_DIR = "tensorboard"
+# What a finished run leaves in its log_dir (besides the final model, written at the end).
+RUN_FILES: tuple[str, ...] = (METRICS_FILE, SAMPLES_FILE, PLOT_FILE, TENSORBOARD_DIR)
+
+
+def previous_run_files(log_dir: str | Path) -> list[Path]:
+    """The files an earlier run left in ``log_dir`` (a non-empty metrics file, TensorBoard
+    events, samples, the plot); empty when the folder is free for a new run."""
+    root = Path(log_dir)
+    found: list[Path] = []
+    for name in RUN_FILES:
+        path = root / name
+        if path.is_dir():
+            if any(path.iterdir()):
+                found.append(path)
+        elif path.is_file() and path.stat().st_size > 0:
+            found.append(path)
+    return found
 
 
 def _to_json_value(value: Any) -> Any:
@@ -90,10 +115,18 @@ def _atomic_write_lines(path: Path, records: list[dict[str, Any]]) -> None:
                 handle.write(json.dumps(record, default=_to_json_value) + "\n")
             handle.flush()
             os.fsync(handle.fileno())
+        # mkstemp makes the file private (0600); the metrics file is as readable as any other.
+        os.chmod(tmp_name, 0o666 & ~_umask())
         os.replace(tmp_name, path)
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 class MetricsLogger:
@@ -104,41 +137,56 @@ class MetricsLogger:
         resume_step: int | None = None,
         total_steps: int | None = None,
         console: Console | None = None,
+        display: bool = True,
+        overwrite: bool = False,
     ) -> None:
         if resume_step is not None and resume_step < 0:
             raise ValueError(f"resume_step must be >= 0, got {resume_step}")
         self.cfg = cfg
         self.log_dir = Path(cfg.log_dir)
-        self.log_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.log_dir / METRICS_FILE
+        self.samples_path = self.log_dir / SAMPLES_FILE
         self.plot_path = self.log_dir / PLOT_FILE
+        self.resume_step = resume_step
+        self.overwrite = overwrite
         # (step, reward_mean, tokens_per_s) of every step in this run's history, for the plot.
         self._history: list[tuple[int, float, float]] = []
         self._last_step: int | None = None
+        self._opened = False
         self._closed = False
-
         self._jsonl: TextIO | None = None
-        if cfg.jsonl:
-            self._restore_jsonl(resume_step)
-            self._jsonl = self.metrics_path.open("a", encoding="utf-8")
-        elif resume_step is not None:
-            self._last_step = resume_step - 1
+        self._writer: Any = None
+        self.progress: ProgressDisplay | None = None
+        if display:
+            self.progress = ProgressDisplay(
+                enabled=cfg.progress,
+                total_steps=total_steps,
+                initial_step=max((resume_step or 1) - 1, 0),
+                console=console,
+            )
 
-        self._writer = None
-        if cfg.tensorboard:
+    def _open(self) -> None:
+        """Create or resume the files: at the first logged step, never before."""
+        if self._opened:
+            return
+        self._opened = True
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        if self.overwrite:
+            for name in (SAMPLES_FILE, PLOT_FILE):
+                (self.log_dir / name).unlink(missing_ok=True)
+            shutil.rmtree(self.log_dir / TENSORBOARD_DIR, ignore_errors=True)
+        if self.cfg.jsonl:
+            self._restore_jsonl(self.resume_step)
+            self._jsonl = self.metrics_path.open("a", encoding="utf-8")
+        elif self.resume_step is not None:
+            self._last_step = self.resume_step - 1
+        if self.cfg.tensorboard:
             # Imported here: it is slow to import and runs without TensorBoard do not need it.
             from torch.utils.tensorboard import SummaryWriter
 
             self._writer = SummaryWriter(
-                log_dir=str(self.log_dir / TENSORBOARD_DIR), purge_step=resume_step
+                log_dir=str(self.log_dir / TENSORBOARD_DIR), purge_step=self.resume_step
             )
-
-        self.progress = ProgressDisplay(
-            enabled=cfg.progress,
-            total_steps=total_steps,
-            initial_step=resume_step or 0,
-            console=console,
-        )
 
     def _restore_jsonl(self, resume_step: int | None) -> None:
         if self.metrics_path.exists():
@@ -175,6 +223,7 @@ class MetricsLogger:
         step = metrics["step"]
         if isinstance(step, bool) or not isinstance(step, int):
             raise TypeError(f"metrics 'step' must be an int, got {step!r}")
+        self._open()
         if self._last_step is not None and step <= self._last_step:
             raise ValueError(
                 f"step {step} does not come after step {self._last_step} already in "
@@ -193,14 +242,36 @@ class MetricsLogger:
                     self._writer.add_scalar(name, value, global_step=step)
             self._writer.flush()
         self._remember(metrics)
-        self.progress.update(metrics)
+        if self.progress is not None:
+            self.progress.update(metrics)
+
+    def log_samples(self, step: int, samples: list[Mapping[str, Any]]) -> None:
+        """A few completions of ``step`` with their rewards: ``samples.jsonl`` (one line each,
+        with the step) and one TensorBoard text entry (``logger.tensorboard``)."""
+        if self._closed:
+            raise RuntimeError("MetricsLogger.log_samples() after close()")
+        if not samples:
+            return
+        self._open()
+        with self.samples_path.open("a", encoding="utf-8") as handle:
+            for sample in samples:
+                handle.write(json.dumps({"step": step, **sample}, default=_to_json_value) + "\n")
+        if self._writer is not None:
+            table = "\n\n".join(
+                f"**reward {float(sample.get('reward', math.nan)):.3f}** "
+                f"`{sample.get('prompt', '')!s}` → `{sample.get('completion', '')!s}`"
+                for sample in samples
+            )
+            self._writer.add_text("samples", table, global_step=step)
+            self._writer.flush()
 
     def close(self) -> None:
         """Close files and the display; write the plot (when on). Safe to call twice."""
         if self._closed:
             return
         self._closed = True
-        self.progress.close()
+        if self.progress is not None:
+            self.progress.close()
         if self._jsonl is not None:
             self._jsonl.close()
         if self._writer is not None:

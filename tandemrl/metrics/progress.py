@@ -67,7 +67,7 @@ class ProgressDisplay:
         summary = format_step_summary(metrics)
         step = int(metrics["step"])
         if self._progress is not None and self._task is not None:
-            self._progress.update(self._task, completed=step + 1, summary=summary)
+            self._progress.update(self._task, completed=step, summary=summary)
             return
         total = f"/{self.total_steps}" if self.total_steps is not None else ""
         logger.info("step %d%s | %s", step, total, summary)

@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import zlib
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -91,6 +93,20 @@ def _sibling_keys(group_size: int, attempt: int) -> tuple[tuple[str, bytes], ...
 
 _ENV_RESULTS_ONLY = {EnvResult}
 
+# Completions kept for the metrics' sample log (``logger.sample_log_period``): the latest few.
+RECENT_SAMPLES = 8
+
+
+def numeric_metadata(metadata: dict[str, object]) -> dict[str, float] | None:
+    """The numbers (and booleans) of an environment result's metadata, e.g. ``correct``: they
+    are averaged into the step's metrics as ``env/<key>``. None when there are none."""
+    numbers = {
+        key: float(value)
+        for key, value in metadata.items()
+        if isinstance(value, int | float) and math.isfinite(value)
+    }
+    return numbers or None
+
 
 def _as_data_failure(outcome: EnvResult | BaseException | None) -> EnvResult | DataFailure:
     """A scoring outcome: the result, or the exception it raised as a ``DataFailure``."""
@@ -138,6 +154,8 @@ class RolloutManager:
         self.overlong_filtering = overlong_filtering
         self.seed = seed
         self.on_change = on_change
+        # The latest completions with their rewards, for the metrics' sample log.
+        self.recent_samples: deque[dict[str, object]] = deque(maxlen=RECENT_SAMPLES)
         self.generated_siblings = 0  # completions produced by the engines (metrics, chaos proofs)
         self.reused_siblings = 0  # staged completions reused after a failure or restart
         # Prompts of committed, unconsumed groups (shadow-mode checkpoints regenerate them).
@@ -342,6 +360,16 @@ class RolloutManager:
                 )
         except Exception as exc:  # any exception from user reward code is a data failure
             scored = [exc] * len(texts)
+        if texts and type(scored[0]) is EnvResult:
+            self.recent_samples.append(
+                {
+                    "prompt_id": group.item.prompt_id,
+                    "prompt": group.item.prompt,
+                    "completion": texts[0],
+                    "reward": float(scored[0].reward),
+                    "finish_reason": results[0].finish_reason,
+                }
+            )
         if set(map(type, scored)) == _ENV_RESULTS_ONLY:  # the usual case: nothing failed
             return scored
         return [
@@ -409,6 +437,7 @@ class RolloutManager:
                     truncated,
                     result.start_weight_version,
                     result.end_weight_version,
+                    numeric_metadata(env_result.metadata) if env_result.metadata else None,
                 )
             )
         block = make_group_block(
@@ -429,6 +458,12 @@ class RolloutManager:
             self.buffer.commit(group.group_id, metas, end_weight=end_weight)
             self.ledger.close(group.group_id)
             self.committed_items[group.group_id] = group.item
+
+    def take_recent_samples(self) -> list[dict[str, object]]:
+        """The latest completions (prompt, completion, reward), oldest first; then forgets them."""
+        samples = list(self.recent_samples)
+        self.recent_samples.clear()
+        return samples
 
     async def write_replayed_rows(self, group: UnfinishedGroup) -> list[RowMeta]:
         """Commit-log replay: write a committed group's rows again (the rows

@@ -69,6 +69,7 @@ from transformers import AutoModelForCausalLM
 
 from tandemrl.config.models import LossConfig, PolicyConfig
 from tandemrl.controller.weight_sync_cuda import WeightSenderHost
+from tandemrl.dataplane.atomic import atomic_directory
 from tandemrl.models import load_causal_lm, resolve_device, resolve_model_path
 from tandemrl.training.api import TrainBatch
 from tandemrl.training.batch import count_loss_tokens, loss_mask, split_microbatches, trim_padding
@@ -576,6 +577,23 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
                 "has_optimizer": save_optimizer,
             },
         )
+
+    async def save_final_model(self, directory: str | os.PathLike[str]) -> str:
+        """The trained policy as a transformers model folder; returns its path."""
+        return await self._executor.run(self._save_final_model, Path(directory))
+
+    def _save_final_model(self, directory: Path) -> str:
+        # Weights, config and generation config (save_pretrained) and the tokenizer files: what
+        # from_pretrained, vLLM or another `tandemrl train` (policy.model_name) load. Published
+        # by one rename, replacing an earlier run's folder only once this one is whole.
+        with atomic_directory(directory) as tmp:
+            self.model.save_pretrained(tmp, safe_serialization=True)
+            copy_tokenizer_files(self.model_path, tmp)
+            mask = os.umask(0)
+            os.umask(mask)
+            for path in tmp.iterdir():  # safetensors writes its file private (0600)
+                path.chmod(0o666 & ~mask)
+        return str(directory)
 
     def _load_checkpoint(self, directory: Path, load_optimizer: bool) -> None:
         directory = Path(directory)

@@ -11,6 +11,8 @@ restart is the same ``tandemrl train`` command; it resumes from the newest compa
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from chaos_harness import RunShape, audit, dump, leftover_temporaries, run_with_kills
 
@@ -54,3 +56,8 @@ def test_sigkill_and_restart_trains_every_prompt_exactly_once(tmp_path):
     assert proof["finished_siblings_generated_again"] == 0, proof
     # every restart after the first kill resumed from a trainer checkpoint, not from scratch
     assert all(step > 0 for step in proof["resumed_steps"][1:]), proof
+    # every step's metrics row is in metrics.jsonl exactly once: a row is written before its
+    # step's checkpoint, and rows of steps a restart trains again are replaced
+    lines = (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()
+    logged = [json.loads(line)["step"] for line in lines]
+    assert logged == list(range(1, shape.total_steps + 1)), logged

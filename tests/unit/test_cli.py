@@ -121,20 +121,28 @@ def fake_module(monkeypatch, name: str, **attributes) -> None:
 
 def test_train_validates_then_calls_run_training(monkeypatch):
     received: list[MasterConfig] = []
-    fake_module(monkeypatch, "tandemrl.controller.run", run_training=received.append)
+    fake_module(
+        monkeypatch,
+        "tandemrl.controller.run",
+        run_training=lambda cfg, **options: received.append(cfg),
+    )
     assert main(["train", "--config", DEFAULT, "grpo.max_num_steps=3"]) == 0
     (cfg,) = received
     assert cfg.grpo.max_num_steps == 3
 
 
 def test_train_passes_on_an_integer_exit_code(monkeypatch):
-    fake_module(monkeypatch, "tandemrl.controller.run", run_training=lambda cfg: 4)
+    fake_module(monkeypatch, "tandemrl.controller.run", run_training=lambda cfg, **options: 4)
     assert main(["train", "--config", DEFAULT]) == 4
 
 
 def test_train_refuses_an_invalid_config_before_starting(monkeypatch, capsys):
     received: list[MasterConfig] = []
-    fake_module(monkeypatch, "tandemrl.controller.run", run_training=received.append)
+    fake_module(
+        monkeypatch,
+        "tandemrl.controller.run",
+        run_training=lambda cfg, **options: received.append(cfg),
+    )
     assert main(["train", "--config", DEFAULT, "data_plane.enabled=false"]) == 2
     assert received == []
     assert "data_plane.enabled" in capsys.readouterr().err

@@ -14,6 +14,7 @@ from rich.console import Console
 
 from tandemrl.config.models import LoggerConfig
 from tandemrl.metrics import REQUIRED_FIELDS, MetricsLogger, ProgressDisplay
+from tandemrl.metrics.logger import previous_run_files
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -70,7 +71,7 @@ def test_missing_required_field_raises_and_writes_nothing(tmp_path: Path, missin
         pytest.raises(ValueError, match=f"'{missing}'"),
     ):
         metrics_logger.log_step(metrics)
-    assert (tmp_path / "metrics.jsonl").read_text() == ""
+    assert not (tmp_path / "metrics.jsonl").exists()
 
 
 def test_steps_must_increase(tmp_path: Path) -> None:
@@ -125,7 +126,8 @@ def test_plot_written_on_close_only_when_on(tmp_path: Path) -> None:
 def test_resume_keeps_only_steps_before_the_resume_step(tmp_path: Path) -> None:
     log_steps(tmp_path, range(5))
     with MetricsLogger(config(tmp_path, plot=True), resume_step=3) as metrics_logger:
-        assert [line["step"] for line in read_lines(tmp_path)] == [0, 1, 2]
+        # Untouched until the resumed run logs its first step.
+        assert [line["step"] for line in read_lines(tmp_path)] == [0, 1, 2, 3, 4]
         with pytest.raises(ValueError, match="does not come after step 2"):
             metrics_logger.log_step(step_metrics(2))
         metrics_logger.log_step(step_metrics(3, reward_mean=0.9))
@@ -148,9 +150,47 @@ def test_restart_without_resume_step_appends_and_refuses_old_steps(tmp_path: Pat
 def test_resume_step_zero_starts_the_file_over(tmp_path: Path) -> None:
     log_steps(tmp_path, range(3))
     with MetricsLogger(config(tmp_path), resume_step=0) as metrics_logger:
-        assert read_lines(tmp_path) == []
+        assert len(read_lines(tmp_path)) == 3  # nothing changes before the first step
         metrics_logger.log_step(step_metrics(0))
+        assert [line["step"] for line in read_lines(tmp_path)] == [0]
     assert [line["step"] for line in read_lines(tmp_path)] == [0]
+
+
+def test_a_run_that_logs_no_step_leaves_the_previous_runs_files_as_they_were(
+    tmp_path: Path,
+) -> None:
+    """A run failing during setup (before its first step) must not wipe the last run's files."""
+    log_steps(tmp_path, range(3), tensorboard=True, plot=True)
+    before = {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()}
+    assert tmp_path / "metrics.jsonl" in before and tmp_path / "reward_throughput.png" in before
+    for overwrite in (False, True):
+        failed = MetricsLogger(
+            config(tmp_path, tensorboard=True, plot=True), resume_step=0, overwrite=overwrite
+        )
+        failed.close()
+    after = {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()}
+    assert after == before
+
+
+def test_overwrite_replaces_the_previous_runs_files_at_the_first_step(tmp_path: Path) -> None:
+    log_steps(tmp_path, range(3), tensorboard=True, plot=True)
+    old_events = list((tmp_path / "tensorboard").iterdir())
+    assert previous_run_files(tmp_path)
+    with MetricsLogger(
+        config(tmp_path, tensorboard=True), resume_step=0, overwrite=True
+    ) as metrics_logger:
+        metrics_logger.log_step(step_metrics(1))
+    assert [line["step"] for line in read_lines(tmp_path)] == [1]
+    assert not any(path.exists() for path in old_events)
+    assert not (tmp_path / "reward_throughput.png").exists()  # this run's plot is off
+
+
+def test_samples_go_to_jsonl_with_their_step(tmp_path: Path) -> None:
+    with MetricsLogger(config(tmp_path, tensorboard=True)) as metrics_logger:
+        metrics_logger.log_samples(4, [{"prompt": "12=", "completion": "345", "reward": 1.0}])
+    (line,) = (tmp_path / "samples.jsonl").read_text().splitlines()
+    assert json.loads(line) == {"step": 4, "prompt": "12=", "completion": "345", "reward": 1.0}
+    assert list((tmp_path / "tensorboard").iterdir())
 
 
 def test_torn_last_line_is_dropped_before_appending(
@@ -175,8 +215,9 @@ def test_corrupt_line_in_the_middle_is_an_error(tmp_path: Path) -> None:
     (tmp_path / "metrics.jsonl").write_text(
         json.dumps(step_metrics(0)) + "\ngarbage\n" + json.dumps(step_metrics(1)) + "\n"
     )
+    metrics_logger = MetricsLogger(config(tmp_path), resume_step=1)
     with pytest.raises(ValueError, match=r"metrics\.jsonl:2: not a JSON line"):
-        MetricsLogger(config(tmp_path), resume_step=1)
+        metrics_logger.log_step(step_metrics(1))
 
 
 # -- progress ---------------------------------------------------------------------------------
@@ -206,7 +247,7 @@ def test_progress_on_a_terminal_uses_rich(tmp_path: Path, caplog: pytest.LogCapt
         metrics_logger.log_step(step_metrics(5))
     assert metrics_logger.progress.uses_rich
     assert "reward 0.500" in output.getvalue()
-    assert "6/10" in output.getvalue()
+    assert "5/10" in output.getvalue()  # step 5 of 10 done (steps count from 1)
     assert not caplog.messages
 
 

@@ -1,0 +1,134 @@
+"""Runtime checks of a valid config: what the config's rules cannot see, checked before Ray starts.
+
+``validate_single_controller_config`` checks the config against itself. These checks look at
+the machine the run would start on: that the model folder exists and holds a model and a
+tokenizer (a hub id cannot be downloaded: TandemRL loads local folders), that the dataset file
+exists and every line parses, that ``env.target`` imports (a custom sampler's ``target`` is
+checked by the config rules),
+and that ``policy.device: cuda`` has a GPU to run on. ``tandemrl validate`` runs them unless
+``--no-runtime-checks`` (a login node without the data or the GPUs); ``tandemrl train`` runs
+them before anything starts, so a broken path is one line after a second, not a Ray traceback
+after half a minute.
+
+``runtime_problems(cfg)`` returns one message per problem, each naming its dotpath.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from tandemrl.config.models import MasterConfig
+
+
+class RunRefused(Exception):
+    """The run cannot start as asked; nothing was started or changed. One line per problem."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("; ".join(problems))
+        self.problems = problems
+
+
+# "org/name" or "name" that is not a folder here: what a user copies from a model hub.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def runtime_problems(cfg: MasterConfig) -> list[str]:
+    """Every runtime problem of ``cfg`` on this machine, one message each."""
+    problems: list[str] = []
+    problems += _model_problems("policy.model_name", cfg.policy.model_name, needs_tokenizer=True)
+    if cfg.policy.tokenizer.name is not None:
+        problems += _model_problems(
+            "policy.tokenizer.name", cfg.policy.tokenizer.name, needs_tokenizer=True, tokenizer=True
+        )
+    if cfg.value is not None and cfg.value.model_name is not None:
+        problems += _model_problems("value.model_name", cfg.value.model_name, needs_tokenizer=False)
+    problems += _dataset_problems(cfg)
+    problems += _import_problems(cfg)
+    problems += _device_problems(cfg)
+    return problems
+
+
+def _model_problems(
+    key: str, name: str, *, needs_tokenizer: bool, tokenizer: bool = False
+) -> list[str]:
+    from tandemrl.models import TINY_PRESETS, TINY_SCHEME
+
+    if name.startswith(TINY_SCHEME):
+        preset = name[len(TINY_SCHEME) :]
+        if preset in TINY_PRESETS:
+            return []
+        choices = sorted(TINY_SCHEME + known for known in TINY_PRESETS)
+        return [f"{key}={name!r}: unknown tiny preset {preset!r}; choose one of {choices}"]
+    path = Path(name).expanduser()
+    if not path.exists():
+        if _HUB_ID.match(name):
+            return [
+                f"{key}={name!r}: no such folder. TandemRL loads local model folders and "
+                f"downloads nothing; fetch it first (e.g. `hf download {name} --local-dir "
+                f"models/{name.split('/')[-1]}`) and set {key} to that folder"
+            ]
+        return [f"{key}={name!r}: no such folder"]
+    if not path.is_dir():
+        return [f"{key}={name!r}: {path} is a file; give the model's folder"]
+    problems = []
+    if not tokenizer and not (path / "config.json").is_file():
+        problems.append(
+            f"{key}={name!r}: {path} has no config.json; point it at a folder written by "
+            "save_pretrained (config.json, *.safetensors, tokenizer files)"
+        )
+    elif not tokenizer and not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+        problems.append(f"{key}={name!r}: {path} holds no weights (*.safetensors)")
+    if needs_tokenizer and not any((path / file).is_file() for file in _TOKENIZER_FILES):
+        problems.append(
+            f"{key}={name!r}: {path} holds no tokenizer ({', '.join(_TOKENIZER_FILES)}); "
+            "save the tokenizer beside the model or set policy.tokenizer.name"
+        )
+    return problems
+
+
+def _dataset_problems(cfg: MasterConfig) -> list[str]:
+    from tandemrl.data.dataset import DatasetError, load_prompt_records
+
+    try:
+        load_prompt_records(cfg.data)
+    except DatasetError as error:
+        return [str(error)]
+    except (OSError, UnicodeDecodeError) as error:
+        return [f"data.dataset={cfg.data.dataset!r}: cannot read it ({error})"]
+    return []
+
+
+def _import_problems(cfg: MasterConfig) -> list[str]:
+    problems = []
+    if cfg.env.name == "custom" and cfg.env.target:
+        from tandemrl.envs import import_environment_class
+
+        try:
+            import_environment_class(cfg.env.target)
+        except (ImportError, TypeError, ValueError) as error:
+            problems.append(
+                f"{error} (the module must be importable by `tandemrl train`: installed, or on "
+                "PYTHONPATH; see docs/environments.md)"
+            )
+        except Exception as error:  # user code failing at import time
+            problems.append(
+                f"env.target={cfg.env.target!r}: importing it raised {type(error).__name__}: "
+                f"{error}"
+            )
+    return problems
+
+
+def _device_problems(cfg: MasterConfig) -> list[str]:
+    if cfg.policy.device != "cuda" or cfg.cluster.address is not None:
+        return []  # on a cluster of its own, the GPUs are the cluster's, not this machine's
+    import torch
+
+    if torch.cuda.is_available():
+        return []
+    return [
+        "policy.device: cuda, but torch sees no CUDA device on this machine "
+        f"(torch {torch.__version__}); set policy.device: cpu (or auto), or run on a machine "
+        "with a GPU and a CUDA build of torch"
+    ]
