@@ -500,7 +500,7 @@ def test_placement_gives_the_critic_half_the_trainer_share() -> None:
     cpu = plan_placement(make_cfg(), cluster_cpus=2, cluster_gpus=0)
     assert (cpu.generation_cpus, cpu.trainer_cpus, cpu.value_cpus) == (1.0, 0.5, 0.5)
     gpu = plan_placement(
-        make_cfg("policy.generation.colocated.resources.gpus_per_node=1"),
+        make_cfg("policy.device=cuda", "policy.generation.colocated.resources.gpus_per_node=1"),
         cluster_cpus=16,
         cluster_gpus=2,
     )
