@@ -47,6 +47,42 @@ def runtime_problems(cfg: MasterConfig) -> list[str]:
     problems += _dataset_problems(cfg)
     problems += _import_problems(cfg)
     problems += _device_problems(cfg)
+    problems += installed_version_problems()
+    return problems
+
+
+def installed_version_problems(distribution: str = "tandemrl") -> list[str]:
+    """Each dependency of ``distribution`` that is missing or installed at a version outside
+    the range its metadata asks for (``pyproject.toml``; exact versions live in
+    ``constraints.txt``). A GPU machine's own torch and transformers are fine when in range."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    try:
+        requirements = metadata.requires(distribution) or []
+    except metadata.PackageNotFoundError:
+        return []  # running from a source tree that was not installed: nothing to compare
+    problems = []
+    for text in requirements:
+        requirement = Requirement(text)
+        if requirement.marker is not None and not requirement.marker.evaluate({"extra": ""}):
+            continue  # an optional extra's dependency
+        try:
+            installed = metadata.version(requirement.name)
+        except metadata.PackageNotFoundError:
+            problems.append(
+                f"{requirement.name} is not installed ({distribution} needs {requirement}); "
+                f"pip install '{requirement}'"
+            )
+            continue
+        if requirement.specifier and not requirement.specifier.contains(
+            installed, prereleases=True
+        ):
+            problems.append(
+                f"{requirement.name} {installed} is installed, but {distribution} needs "
+                f"{requirement.name}{requirement.specifier}; install a version in that range"
+            )
     return problems
 
 

@@ -123,3 +123,28 @@ def test_a_resumed_run_may_use_its_own_log_dir_and_a_finished_one_is_complete(
     assert not run_already_complete(cfg, resumed)
     done = RestorePlan(ckpt, "latest", trainer_dir=ckpt / "step_300", step=300)
     assert run_already_complete(cfg, done)
+
+
+def test_installed_versions_out_of_range_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    from importlib import metadata
+
+    requires = ["torch>=2.11", "transformers<6,>=5.17", "pytest==9.2.0; extra == 'test'"]
+    installed = {"torch": "2.11.0+cu130", "transformers": "5.16.0"}
+
+    def version(name: str) -> str:
+        if name not in installed:
+            raise metadata.PackageNotFoundError(name)
+        return installed[name]
+
+    monkeypatch.setattr(metadata, "requires", lambda name: requires)
+    monkeypatch.setattr(metadata, "version", version)
+    from tandemrl.preflight import installed_version_problems
+
+    (message,) = installed_version_problems()
+    assert message.startswith("transformers 5.16.0 is installed, but tandemrl needs")
+    assert "transformers<6,>=5.17" in message
+    installed["transformers"] = "5.17.0"
+    assert installed_version_problems() == []  # the test extra's pin does not apply
+    del installed["torch"]
+    (missing,) = installed_version_problems()
+    assert missing.startswith("torch is not installed")
