@@ -123,14 +123,14 @@ def config_from_dict(data: dict[str, Any]) -> MasterConfig:
 
 def config_to_dict(cfg: MasterConfig) -> dict[str, Any]:
     """Plain-data view of a config (YAML/JSON printable) that ``load_config`` reads back."""
-    return _escape_references(cfg.model_dump(mode="json", by_alias=True))
+    return escape_references(cfg.model_dump(mode="json", by_alias=True))
 
 
-def _escape_references(node: Any) -> Any:
+def escape_references(node: Any) -> Any:
     if isinstance(node, dict):
-        return {key: _escape_references(value) for key, value in node.items()}
+        return {key: escape_references(value) for key, value in node.items()}
     if isinstance(node, list):
-        return [_escape_references(value) for value in node]
+        return [escape_references(value) for value in node]
     if isinstance(node, str):
         return node.replace("${", "\\${")
     return node

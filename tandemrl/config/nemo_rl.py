@@ -471,6 +471,17 @@ def _batching(tx: _Translator) -> None:
 
 
 def _optimizer(tx: _Translator) -> None:
+    for key, example in (
+        ("optimizer", "{name: torch.optim.AdamW, kwargs: {lr: 5.0e-6, weight_decay: 0.01}}"),
+        ("scheduler", "{name: linear_warmup, warmup_steps: N, start_factor: F} or constant"),
+    ):
+        if tx.get(f"policy.{key}") is None:
+            tx.pop(f"policy.{key}")
+            tx.refuse(
+                f"policy.{key}",
+                f"policy.{key}: null (the Megatron trainer reads megatron_cfg.{key} instead)",
+                f"give the PyTorch trainer its {key}: policy.{key}: {example}",
+            )
     optimizer = tx.get("policy.optimizer")
     if not isinstance(optimizer, dict) or "kwargs" not in optimizer:
         name = optimizer.get("name") if isinstance(optimizer, dict) else None
@@ -601,6 +612,7 @@ def _generation(tx: _Translator) -> None:
         "enable_vllm_metrics_logger",
         "vllm_metrics_logger_interval",
         "http_refit_api_key_env_var",
+        "enable_prefix_caching",
         "reset_encoder_cache_after_weight_update",
         "http_refit_server_port",
         "zmq_refit_server_port",
@@ -734,6 +746,7 @@ def _data(tx: _Translator) -> None:
             f"NeMo-RL's dataset {name!r} (hub datasets and processors)",
             "convert it to a local JSONL file (one object per line with a prompt and an "
             "answer field) and set data.dataset: PATH, data.prompt_key, data.answer_key",
+            also=("data.dataset",),
         )
         return
     tx.set("data.dataset", path)
