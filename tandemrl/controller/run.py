@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from tandemrl.config import MasterConfig, validate_single_controller_config
+from tandemrl.config.redact import redact_tree
 from tandemrl.metrics.logger import MetricsLogger
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,10 @@ def run_training(cfg: MasterConfig) -> int:
     init_ray(cfg)
     launched = launch(cfg)
     metrics = MetricsLogger(
-        cfg.logger, resume_step=launched.resume_step, total_steps=cfg.algorithm.max_num_steps
+        cfg.logger,
+        resume_step=launched.resume_step,
+        total_steps=cfg.algorithm.max_num_steps,
+        run_config=redact_tree(cfg.model_dump(mode="json", by_alias=True)),
     )
     try:
         run_ref = launched.controller.run.remote()

@@ -5,7 +5,9 @@ field (``REQUIRED_FIELDS``) is missing or the step does not come after the last 
 
 - appends one JSON object as one line to ``metrics.jsonl`` and flushes it (``logger.jsonl``);
 - writes every numeric field as a TensorBoard scalar at that step (``logger.tensorboard``);
-- updates the progress display (rich bar, or one log line per step).
+- updates the progress display (rich bar, or one log line per step);
+- hands the row to each experiment tracker ``logger.wandb`` / ``logger.mlflow`` enables
+  (``trackers.py``), which log the same numeric fields at the same step.
 
 ``close()`` writes ``reward_throughput.png`` (reward_mean and tokens_per_s per step, two
 panels) when ``logger.plot`` is on and at least one step was logged.
@@ -32,6 +34,7 @@ from rich.console import Console
 
 from tandemrl.config.models import LoggerConfig
 from tandemrl.metrics.progress import ProgressDisplay
+from tandemrl.metrics.trackers import MetricsSink, open_trackers
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +107,9 @@ class MetricsLogger:
         resume_step: int | None = None,
         total_steps: int | None = None,
         console: Console | None = None,
+        run_config: Mapping[str, Any] | None = None,
     ) -> None:
+        """``run_config``: the config (credentials redacted) the trackers record with the run."""
         if resume_step is not None and resume_step < 0:
             raise ValueError(f"resume_step must be >= 0, got {resume_step}")
         self.cfg = cfg
@@ -132,6 +137,18 @@ class MetricsLogger:
             self._writer = SummaryWriter(
                 log_dir=str(self.log_dir / TENSORBOARD_DIR), purge_step=resume_step
             )
+
+        self._trackers: list[MetricsSink] = []
+        try:
+            self._trackers = open_trackers(
+                cfg, run_config=run_config, resume=resume_step is not None
+            )
+        except BaseException:
+            if self._jsonl is not None:
+                self._jsonl.close()
+            if self._writer is not None:
+                self._writer.close()
+            raise
 
         self.progress = ProgressDisplay(
             enabled=cfg.progress,
@@ -192,6 +209,8 @@ class MetricsLogger:
                 ):
                     self._writer.add_scalar(name, value, global_step=step)
             self._writer.flush()
+        for tracker in self._trackers:
+            tracker.log_step(step, metrics)
         self._remember(metrics)
         self.progress.update(metrics)
 
@@ -205,6 +224,8 @@ class MetricsLogger:
             self._jsonl.close()
         if self._writer is not None:
             self._writer.close()
+        for tracker in self._trackers:
+            tracker.close()
         if self.cfg.plot and self._history:
             self.write_plot()
 
