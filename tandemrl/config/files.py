@@ -12,19 +12,19 @@ the parents' mapping whole instead of merging into it (NeMo-RL's marker). ``${..
 references are left as written; they are resolved once, on the merged tree
 (``interpolation.py``), so a child's value flows into a parent's reference.
 
-YAML is read the way OmegaConf reads it (``1e-8`` is a float, duplicate keys are errors).
+YAML is read the way OmegaConf reads it (``1e-8`` is a float, a duplicate key is an error),
+but ``${...}`` is not parsed yet: a broken reference is reported with its dotpath later.
 Problems name the file; a missing parent names the file that asked for it, and a cycle
 prints the chain of files.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 from tandemrl.config.errors import ConfigError
 
@@ -72,17 +72,54 @@ def read_yaml_file(path: Path) -> dict[str, Any]:
             raise ConfigError(f"{path}: not a file")
         raise ConfigError(f"{path}: config file not found")
     try:
-        loaded = OmegaConf.load(path)
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read config file ({exc})") from None
-    except (yaml.YAMLError, OmegaConfBaseException) as exc:
+    try:
+        loaded = yaml.load(text, Loader=_ConfigLoader)  # a SafeLoader subclass
+    except yaml.YAMLError as exc:
         detail = " ".join(str(exc).split())
         raise ConfigError(f"{path}: not valid YAML ({detail})") from None
-    if not isinstance(loaded, DictConfig):
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
         raise ConfigError(f"{path}: the top level must be a mapping, got {type(loaded).__name__}")
-    tree = OmegaConf.to_container(loaded, resolve=False)
-    assert isinstance(tree, dict)
-    return {str(key): value for key, value in tree.items()}
+    return {str(key): value for key, value in loaded.items()}
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with OmegaConf's two changes: YAML 1.2 floats, no duplicate keys."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+# Dates stay strings (a config value is a number, a bool, a string, a list or a mapping).
+_ConfigLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:timestamp"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+# 1e-8, 1.5E+3, .5, 10.: floats as in YAML 1.2 (PyYAML's 1.1 rules read "1e-8" as a string).
+_ConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+
+        |[-+]?\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.VERBOSE,
+    ),
+    list("-+0123456789."),
+)
 
 
 def merge_trees(base: dict[str, Any], child: dict[str, Any]) -> dict[str, Any]:
