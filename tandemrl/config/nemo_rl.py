@@ -69,6 +69,7 @@ class Dropped:
 
     path: str
     reason: str
+    refused: bool = False
 
 
 @dataclass
@@ -146,7 +147,7 @@ class _Translator:
     def refuse(self, path: str, what: str, todo: str, *, also: tuple[str, ...] = ()) -> None:
         self.result.refusals.append(f"{path}: not supported by TandemRL: {what}; {todo}")
         self.result.refused_paths.extend([path, *also])
-        self.drop(path, f"not supported: {what}")
+        self.result.dropped.append(Dropped(path, f"not supported: {what}", refused=True))
 
     # ------------------------------------------------------------------ rules
 

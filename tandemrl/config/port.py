@@ -71,7 +71,7 @@ def port_config(path: str | Path, overrides: Iterable[str] = ()) -> PortReport:
     return PortReport(
         yaml_text=yaml.safe_dump(carried, sort_keys=False),
         refused=refused,
-        dropped=[f"{d.path}: {d.reason}" for d in load.dropped if "not supported" not in d.reason],
+        dropped=[f"{d.path}: {d.reason}" for d in load.dropped if not d.refused],
         changed=list(load.notices),
         remaining=remaining,
         warnings=report.warnings,

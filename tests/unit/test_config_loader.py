@@ -331,7 +331,7 @@ def test_empty_file_loads_defaults(tmp_path):
 def test_config_to_dict_round_trips_through_load(tmp_path):
     path = write(
         tmp_path,
-        """
+        r"""
         ppo:
           num_prompts_per_step: 4
           adv_estimator: {name: gae, lambda: 0.9}
