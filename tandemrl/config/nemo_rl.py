@@ -795,13 +795,16 @@ def _logger(tx: _Translator) -> None:
     logger = tx.get("logger")
     if not isinstance(logger, dict):
         return
-    tx.rename("logger.tensorboard_enabled", "logger.tensorboard.enabled")
-    if isinstance(tx.get("logger.tensorboard"), dict):
-        block = tx.pop("logger.tensorboard")
-        extra = sorted(set(block) - {"enabled"})
-        if extra:
-            tx.drop("logger.tensorboard", f"TensorBoard settings {', '.join(extra)}")
+    enabled = tx.pop("logger.tensorboard_enabled")
+    block = tx.get("logger.tensorboard")
+    if isinstance(block, dict):
+        tx.pop("logger.tensorboard")
+        if set(block) - {"enabled"}:
+            tx.drop("logger.tensorboard", "TensorBoard settings other than on/off")
         tx.set("logger.tensorboard", bool(block.get("enabled", True)))
+    if enabled is not _MISSING:
+        tx.set("logger.tensorboard", bool(enabled))
+        tx.notice("logger.tensorboard_enabled: renamed to logger.tensorboard")
     for tracker in ("wandb", "mlflow"):
         tx.rename(f"logger.{tracker}_enabled", f"logger.{tracker}.enabled")
     tx.ignore("logger.wandb.log_nemo_gym_full_result_tables", "NeMo-Gym is not used")

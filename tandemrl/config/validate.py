@@ -182,6 +182,7 @@ class _Checker:
         self.check_legacy_and_epochs(algo)
         self.check_unsupported_features(algo)
         self.check_batch_sizes(algo)
+        self.check_sequence_length()
         self.check_streaming(algo)
         self.check_buffer_and_inflight(algo)
         self.check_importance_sampling()
@@ -262,6 +263,18 @@ class _Checker:
                     f"{owner}.train_micro_batch_size: {micro} does not divide "
                     f"{owner}.train_global_batch_size ({global_batch}); pick a divisor"
                 )
+
+    def check_sequence_length(self) -> None:
+        policy = self.cfg.policy
+        new_tokens = policy.generation.max_new_tokens
+        if new_tokens >= policy.max_total_sequence_length:
+            self.error(
+                f"policy.generation.max_new_tokens: {new_tokens} leaves no room for the prompt "
+                f"in policy.max_total_sequence_length ({policy.max_total_sequence_length}); the "
+                "trainer refuses a sequence longer than that (NeMo-RL's engines cut completions "
+                "at the context length instead) — set max_new_tokens to "
+                "max_total_sequence_length minus your longest prompt"
+            )
 
     def check_streaming(self, algo: str) -> None:
         n_prompts = self.cfg.algorithm.num_prompts_per_step
