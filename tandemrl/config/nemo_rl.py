@@ -240,6 +240,7 @@ def _algorithm(tx: _Translator, block: str) -> None:
             f"set {block}.{key}: null",
         )
     tx.ignore(f"{block}.dynamic_sampling_max_gen_batches", "dynamic sampling is not used")
+    tx.ignore(f"{block}.calculate_advantages_on_gpu", "where advantages are computed")
     tx.inert(
         f"{block}.batch_multiplier",
         _one,
@@ -372,6 +373,7 @@ def _policy(tx: _Translator) -> None:
             tx.drop("policy.megatron_cfg.*", "the Megatron trainer is disabled")
     dtensor = "policy.dtensor_cfg"
     tx.ignore(f"{dtensor}._v2", "TandemRL has one PyTorch trainer")
+    tx.ignore(f"{dtensor}.clear_cache_every_n_steps", "memory tuning of NeMo-RL's trainer")
     for key in ("tensor_parallel_size", "context_parallel_size"):
         tx.inert(
             f"{dtensor}.{key}",
@@ -620,6 +622,14 @@ def _generation(tx: _Translator) -> None:
     ):
         tx.ignore(f"{vllm}.{key}", "speed, logging or ports of NeMo-RL's vLLM workers")
     tx.inert(
+        f"{vllm}.expose_http_server",
+        _off,
+        "an OpenAI HTTP server in the vLLM workers (for NeMo-Gym)",
+        f"set {vllm}.expose_http_server: false",
+    )
+    tx.ignore(f"{vllm}.skip_tokenizer_init", "tokenizer loading of NeMo-RL's vLLM workers")
+    tx.ignore(f"{vllm}.http_server_serving_chat_kwargs", "NeMo-RL's vLLM HTTP server")
+    tx.inert(
         f"{generation}.vllm_kwargs",
         _empty,
         "extra vLLM engine arguments",
@@ -779,6 +789,8 @@ def _env(tx: _Translator) -> None:
         )
     elif gym_block is not _MISSING or gym is not _MISSING:
         tx.drop("env.nemo_gym", "NeMo-Gym is off")
+    for key in ("should_log_nemo_gym_responses", "should_mask_flagged_samples"):
+        tx.ignore(f"env.{key}", "logging and masking of NeMo-Gym rollouts")
     math_env = tx.pop("env.math")
     if isinstance(math_env, dict):
         if "name" not in env:
