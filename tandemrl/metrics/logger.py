@@ -140,9 +140,8 @@ class MetricsLogger:
 
         self._trackers: list[MetricsSink] = []
         try:
-            self._trackers = open_trackers(
-                cfg, run_config=run_config, resume=resume_step is not None
-            )
+            # resume_step 0 starts the file over: a fresh tracker run too.
+            self._trackers = open_trackers(cfg, run_config=run_config, resume=bool(resume_step))
         except BaseException:
             if self._jsonl is not None:
                 self._jsonl.close()
