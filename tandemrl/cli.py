@@ -1,14 +1,19 @@
-"""The ``tandemrl`` command: ``train``, ``validate`` and ``inspect``.
+"""The ``tandemrl`` command: ``train``, ``validate``, ``port`` and ``inspect``.
 
-``validate`` is the dry run: it loads the config exactly as ``train`` would (overrides,
-interpolation, key and type checks, every cross-field rule), checks what the run needs on this
-machine (model folder, dataset, ``env.target``, a GPU for ``policy.device: cuda``; skipped with
-``--no-runtime-checks``) and starts nothing. Exit codes: 0 valid, 2 invalid config or a part of
-TandemRL that is not available.
+``validate`` is the dry run: it loads the config exactly as ``train`` would (``defaults:``
+inheritance, overrides, interpolation, NeMo-RL names, key and type checks, every
+cross-field rule, all in one pass), checks what the run needs on this machine (model folder,
+dataset, ``env.target``, a GPU for ``policy.device: cuda``, installed versions; skipped with
+``--no-runtime-checks``) and starts nothing. ``port`` prints the TandemRL config a NeMo-RL
+config becomes and what could not be carried over. Exit codes: 0 valid, 2 invalid config or
+a part of TandemRL that is not available.
 
 ``train`` exits 0 when the run finished, 2 when it could not start (nothing was started or
 changed; one line per reason), 1 when it failed, and 128 + the signal's number when SIGINT or
 SIGTERM stopped it.
+
+Overrides follow the config file in Hydra's syntax: ``a.b=v`` (set), ``+a.b=v`` (add a
+key the file does not set), ``++a.b=v`` (set either way), ``~a.b`` (delete).
 """
 
 from __future__ import annotations
@@ -21,13 +26,7 @@ from typing import Any
 
 import yaml
 
-from tandemrl.config import (
-    ConfigError,
-    MasterConfig,
-    config_to_dict,
-    load_config,
-    validate_single_controller_config,
-)
+from tandemrl.config import ConfigError, MasterConfig, config_to_dict, load_and_validate
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -72,6 +71,18 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     validate.set_defaults(handler=_validate)
 
+    port = commands.add_parser(
+        "port",
+        help="print the TandemRL config a NeMo-RL config becomes, and what could not be "
+        "carried over",
+    )
+    port.add_argument("config", help="a NeMo-RL (or TandemRL) YAML config")
+    port.add_argument("overrides", nargs="*", metavar="a.b.c=value", help="override values")
+    port.add_argument(
+        "--output", "-o", default=None, help="write the ported YAML here instead of stdout"
+    )
+    port.set_defaults(handler=_port)
+
     inspect = commands.add_parser(
         "inspect", help="show what a checkpoint holds and what a restart would resume"
     )
@@ -92,20 +103,24 @@ def _build_parser() -> argparse.ArgumentParser:
 def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="YAML master config")
     parser.add_argument(
-        "overrides", nargs="*", metavar="a.b.c=value", help="override config values"
+        "overrides",
+        nargs="*",
+        metavar="a.b.c=value",
+        help="override config values: a.b=v, +a.b=v (add), ++a.b=v (add or set), ~a.b (delete)",
     )
 
 
 def _load_and_validate(args: argparse.Namespace, *, show_warnings: bool) -> MasterConfig | None:
     """The validated config, or None after printing every problem to stderr."""
     try:
-        cfg = load_config(args.config, args.overrides)
-        warnings = validate_single_controller_config(cfg)
+        cfg, warnings, notices = load_and_validate(args.config, args.overrides)
     except ConfigError as exc:
         print(f"{args.config}: invalid config", file=sys.stderr)
         for message in exc.messages:
             print(message, file=sys.stderr)
         return None
+    for notice in notices:
+        print(f"note: {notice}", file=sys.stderr)
     if show_warnings:
         for warning in warnings:
             print(f"warning: {warning}", file=sys.stderr)
@@ -130,6 +145,25 @@ def _validate(args: argparse.Namespace) -> int:
     else:
         print(f"{args.config}: valid")
     return EXIT_OK
+
+
+def _port(args: argparse.Namespace) -> int:
+    from tandemrl.config.port import port_config
+
+    try:
+        report = port_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"{args.config}: cannot be read", file=sys.stderr)
+        for message in exc.messages:
+            print(message, file=sys.stderr)
+        return EXIT_INVALID
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as handle:
+            handle.write(report.yaml_text)
+    else:
+        print(report.yaml_text, end="")
+    print(report.summary(args.config), file=sys.stderr)
+    return EXIT_OK if report.runs_as_is else EXIT_INVALID
 
 
 def _train(args: argparse.Namespace) -> int:

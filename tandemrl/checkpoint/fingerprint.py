@@ -17,10 +17,19 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from typing import Any
 
 from tandemrl.config.models import MasterConfig
+from tandemrl.config.redact import REDACTED, redact_value
+
+__all__ = [
+    "BUILTIN_EXCLUDED_PATHS",
+    "REDACTED",
+    "compatibility_identity",
+    "diff_identities",
+    "fingerprint_digest",
+    "is_excluded",
+]
 
 # Operational dotpaths: they do not affect what a rollout is or how it is interpreted.
 BUILTIN_EXCLUDED_PATHS: tuple[str, ...] = (
@@ -40,16 +49,6 @@ BUILTIN_EXCLUDED_PATHS: tuple[str, ...] = (
     "policy.generation.num_workers",
     "policy.device",
 )
-
-# A key names a credential when its last word is one (``hf_token``, ``wandb_api_key``,
-# ``client_secret``, ``credentials``); matched per dotpath segment, so a credential block's
-# children are redacted too. Words inside a key do not count: ``max_new_tokens``,
-# ``token_capture``, ``stop_token_ids`` and ``tokenizer`` are rollout semantics, not secrets.
-_CREDENTIAL = re.compile(
-    r"(^|[_-])(password|passwd|secret|token|credentials?|auth|apikey|(api|access|secret|private)[_-]?key)$",
-    re.IGNORECASE,
-)
-REDACTED = "<redacted>"
 
 
 def _segments(pattern: str) -> list[str]:
@@ -103,11 +102,7 @@ def compatibility_identity(
     patterns = [_segments(p) for p in (*BUILTIN_EXCLUDED_PATHS, *extra)]
     flat: dict[str, Any] = {}
     _flatten(cfg.model_dump(mode="json", by_alias=True), [], flat, patterns)
-    return {path: (REDACTED if is_credential(path) else value) for path, value in flat.items()}
-
-
-def is_credential(dotpath: str) -> bool:
-    return any(_CREDENTIAL.search(segment) for segment in dotpath.split("."))
+    return {path: redact_value(path, value) for path, value in flat.items()}
 
 
 def fingerprint_digest(identity: dict[str, Any]) -> str:

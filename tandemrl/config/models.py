@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, model_validator
+
+from tandemrl.config.capacity import admits_off_policy, required_buffer_capacity, widest_lookahead
 
 
 class Strict(BaseModel):
@@ -27,6 +29,15 @@ def _yaml_switch(value: Any) -> Any:
 
 # A three-way setting: "auto" (the code decides), "on" or "off"; a YAML on/off also works.
 Switch = Annotated[Literal["auto", "on", "off"], BeforeValidator(_yaml_switch)]
+
+
+def _null_is_empty(value: Any) -> Any:
+    # NeMo-RL writes `stop_token_ids: null` for "none".
+    return [] if value is None else value
+
+
+StopTokenIds = Annotated[list[int], BeforeValidator(_null_is_empty)]
+StopStrings = Annotated[list[str], BeforeValidator(_null_is_empty)]
 
 
 # --------------------------------------------------------------------------- policy
@@ -92,8 +103,8 @@ class GenerationConfig(Strict):
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     max_new_tokens: int = Field(16, ge=1)
-    stop_token_ids: list[int] = []
-    stop_strings: list[str] = []
+    stop_token_ids: StopTokenIds = []
+    stop_strings: StopStrings = []
     # Number of generation worker processes (Ray actors).
     num_workers: int = Field(1, ge=1)
     # Largest number of sequences one engine decodes together.
@@ -134,6 +145,9 @@ class OptimizerConfig(Strict):
 class SchedulerConfig(Strict):
     name: Literal["constant", "linear_warmup"] = "constant"
     warmup_steps: int = Field(0, ge=0)
+    # linear_warmup: the lr factor of the first step, rising linearly to 1 at warmup_steps
+    # (torch's LinearLR). None: (step + 1) / warmup_steps.
+    start_factor: float | None = Field(None, ge=0.0, le=1.0)
 
 
 class PolicyConfig(Strict):
@@ -237,7 +251,8 @@ class ImportanceSamplingConfig(Strict):
     # tis: truncate per-token weights at `truncation`; icepop: zero tokens whose weight falls
     # outside [low, high]; seq-mask-tis: mask whole sequences whose geometric-mean weight falls
     # outside [low, high], then truncate per token.
-    mode: Literal["tis", "icepop", "seq-mask-tis", "none"] = "tis"
+    # untruncated: the raw per-token weights; none: every weight is 1.
+    mode: Literal["tis", "icepop", "seq-mask-tis", "untruncated", "none"] = "tis"
     truncation: float = Field(2.0, gt=0.0)
     low: float = Field(0.5, gt=0.0)
     high: float = Field(2.0, gt=0.0)
@@ -246,6 +261,8 @@ class ImportanceSamplingConfig(Strict):
 class LossConfig(Strict):
     ratio_clip_min: float = Field(0.2, ge=0.0)
     ratio_clip_max: float = Field(0.2, ge=0.0)
+    # In a master config it defaults to whether the sampler admits off-policy data
+    # (MasterConfig._derive_defaults); False for a LossConfig built on its own.
     use_importance_sampling_correction: bool = False
     importance_sampling: ImportanceSamplingConfig = ImportanceSamplingConfig()
     token_level_loss: bool = True
@@ -261,7 +278,8 @@ class LossConfig(Strict):
 
 class InOrderSamplerConfig(Strict):
     name: Literal["in_order"]
-    max_lookahead_versions: int = Field(0, ge=0)
+    # 1 as in NeMo-RL, and the same whether or not the sampler block is written.
+    max_lookahead_versions: int = Field(1, ge=0)
     # PPO critic warm-up only: lookahead while ppo.policy_training_start_step is in progress.
     warmup_lookahead_versions: int | None = Field(None, ge=0)
 
@@ -335,7 +353,10 @@ class StallWatchdogConfig(Strict):
 
 
 class AsyncRLConfig(Strict):
-    sampler: SamplerConfig = InOrderSamplerConfig(name="in_order", max_lookahead_versions=1)
+    sampler: SamplerConfig = InOrderSamplerConfig(name="in_order")
+    # The three sizes below default, in a master config, to values derived from
+    # num_prompts_per_step and the sampler (MasterConfig._derive_defaults); the literals here
+    # only apply to an AsyncRLConfig built on its own.
     min_groups_for_streaming_train: int = Field(16, ge=1)
     # Hard cap on unconsumed rollout groups (reserved + ready) held in the buffer.
     max_buffered_rollouts: int = Field(32, ge=1)
@@ -378,7 +399,8 @@ class RolloutCheckpointingConfig(Strict):
     extra_fingerprint_excluded_paths: list[str] = []
     # Write-ahead commit log: every finished group is fsynced before it becomes trainable and
     # a restart replays the log on top of the bundle it restores (docs/checkpointing.md).
-    # Takes effect with checkpointing.enabled and an authoritative replay index.
+    # Takes effect whenever checkpointing.enabled and save_data_plane are on and the sampler
+    # keeps an authoritative replay index; it does nothing otherwise.
     commit_log: bool = True
 
 
@@ -399,8 +421,10 @@ class RolloutRecoveryConfig(Strict):
 
 
 class DataConfig(Strict):
-    # "builtin://counting" (the default task), "builtin://math", or a JSONL file path.
-    dataset: str = "builtin://counting"
+    # "builtin://counting", "builtin://math", or a JSONL file path. None: the counting task,
+    # which validation accepts only with a tiny:// model and the counting environment, so a
+    # real model never trains on the toy task by omission.
+    dataset: str | None = None
     prompt_key: str = "prompt"
     answer_key: str = "answer"
     task_source_key: str = "task_source"
@@ -426,6 +450,32 @@ class ClusterConfig(Strict):
     namespace: str = "tandemrl"
 
 
+class WandbConfig(Strict):
+    """Weights & Biases: the per-step metrics of metrics.jsonl, plus the (redacted) config."""
+
+    enabled: bool = False
+    project: str = "tandemrl"
+    # Run name; None lets W&B pick one.
+    name: str | None = None
+    entity: str | None = None
+    tags: list[str] = []
+    # "online", "offline" (files under <log_dir>/wandb, `wandb sync` later) or "disabled";
+    # None: the WANDB_MODE environment variable, else online. The API key comes from the
+    # environment (WANDB_API_KEY) or `wandb login`, never from this file.
+    mode: Literal["online", "offline", "disabled"] | None = None
+
+
+class MlflowConfig(Strict):
+    """MLflow: the per-step metrics of metrics.jsonl, plus the (redacted) config as params."""
+
+    enabled: bool = False
+    experiment_name: str = "tandemrl"
+    run_name: str | None = None
+    # None: a local store, sqlite:///<log_dir>/mlflow.db. A server URI works too; its
+    # credentials belong in MLFLOW_TRACKING_USERNAME/PASSWORD or _TOKEN, not in the URI.
+    tracking_uri: str | None = None
+
+
 class LoggerConfig(Strict):
     log_dir: str = "runs/latest"
     jsonl: bool = True
@@ -441,6 +491,8 @@ class LoggerConfig(Strict):
     # unless absolute.
     save_final_model: bool = True
     final_model_dir: str = "final_model"
+    wandb: WandbConfig = WandbConfig()
+    mlflow: MlflowConfig = MlflowConfig()
 
 
 class MasterConfig(Strict):
@@ -461,6 +513,38 @@ class MasterConfig(Strict):
     cluster: ClusterConfig = ClusterConfig()
     logger: LoggerConfig = LoggerConfig()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _derive_defaults(cls, data: Any) -> Any:
+        """Fill the defaults that depend on other keys, so they agree with each other.
+
+        Left out (or null), they follow the algorithm block and the sampler:
+        ``min_groups_for_streaming_train`` = num_prompts_per_step (whole-step batches);
+        ``max_buffered_rollouts`` and ``max_inflight_prompts`` = num_prompts_per_step x
+        (lookahead + 1), never below the sampler's required capacity (a custom sampler:
+        2 x and 1 x num_prompts_per_step); ``loss_fn.use_importance_sampling_correction`` =
+        whether the sampler admits off-policy data. A minimal config is then valid, and means
+        the same whichever of these it spells out.
+        """
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        n = _num_prompts_per_step(data)
+        sampler = _sampler_of(data.get("async_rl"))
+        if n is None or sampler is None:
+            return data  # the invalid block is reported by validation
+        if sampler.name == "custom":
+            buffered, inflight = 2 * n, n
+        else:
+            window = n * (widest_lookahead(sampler) + 1)
+            buffered = max(window, required_buffer_capacity(sampler, n))
+            inflight = window
+        _fill(data, "async_rl", "min_groups_for_streaming_train", n)
+        _fill(data, "async_rl", "max_buffered_rollouts", buffered)
+        _fill(data, "async_rl", "max_inflight_prompts", inflight)
+        _fill(data, "loss_fn", "use_importance_sampling_correction", admits_off_policy(sampler))
+        return data
+
     @property
     def algorithm(self) -> GRPOConfig | PPOConfig:
         """The one algorithm block present (validation guarantees exactly one)."""
@@ -472,3 +556,58 @@ class MasterConfig(Strict):
     @property
     def is_ppo(self) -> bool:
         return self.ppo is not None
+
+
+_SAMPLER_ADAPTER: TypeAdapter[Any] = TypeAdapter(SamplerConfig)
+
+
+def _block(data: dict[str, Any], key: str) -> dict[str, Any] | None:
+    """A block of raw master-config input as a dict of what was set (None: not a block)."""
+    value = data.get(key)
+    if isinstance(value, BaseModel):
+        return value.model_dump(exclude_unset=True, by_alias=True)
+    return value if isinstance(value, dict) else None
+
+
+def _num_prompts_per_step(data: dict[str, Any]) -> int | None:
+    for key, model in (("ppo", PPOConfig), ("grpo", GRPOConfig)):
+        if data.get(key) is None:
+            continue
+        block = _block(data, key)
+        if block is None:
+            return None
+        value = block.get("num_prompts_per_step")
+        if value is None:
+            return model.model_fields["num_prompts_per_step"].default
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+    return GRPOConfig.model_fields["num_prompts_per_step"].default
+
+
+def _sampler_of(async_rl: Any) -> Any:
+    if async_rl is None:
+        return AsyncRLConfig().sampler
+    block = async_rl.model_dump(exclude_unset=True) if isinstance(async_rl, BaseModel) else async_rl
+    if not isinstance(block, dict):
+        return None
+    raw = block.get("sampler")
+    if raw is None:
+        return AsyncRLConfig().sampler
+    try:
+        return _SAMPLER_ADAPTER.validate_python(raw)
+    except ValueError:
+        return None
+
+
+def _fill(data: dict[str, Any], block_key: str, key: str, value: Any) -> None:
+    """Set ``data[block_key][key]`` to ``value`` when it is left out or null."""
+    block = data.get(block_key)
+    if isinstance(block, BaseModel):
+        if key in block.model_fields_set and getattr(block, key) is not None:
+            return
+        block = block.model_dump(exclude_unset=True, by_alias=True)
+    elif block is None:
+        block = {}
+    elif not isinstance(block, dict):
+        return
+    if block.get(key) is None:
+        data[block_key] = {**block, key: value}

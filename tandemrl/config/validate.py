@@ -13,11 +13,15 @@ sections, plus the limits of this project's backends (no Megatron, no Mooncake).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
-from tandemrl.config.capacity import GATED_SAMPLER_MODES, required_buffer_capacity
-from tandemrl.config.models import CustomSamplerConfig, MasterConfig
+from tandemrl.config.capacity import (
+    GATED_SAMPLER_MODES,
+    admits_off_policy,
+    required_buffer_capacity,
+)
+from tandemrl.config.errors import ConfigError
+from tandemrl.config.models import CustomSamplerConfig, MasterConfig, TorchGenerationConfig
 from tandemrl.config.weight_sync import facts_from_config, weight_sync_problems
 
 # Data-plane backends whose rows can be saved to and loaded from a checkpoint directory.
@@ -25,16 +29,6 @@ NATIVE_SAVE_BACKENDS = ("local", "simple")
 RESTORE_MODES = ("latest", "trainer_checkpoint")
 SUPPORTED_GENERATION_BACKENDS = ("torch", "vllm", "fake")
 BUILTIN_SAMPLER_MODES = ("in_order", "weight_fifo", "ready_first", "windowed")
-
-
-class ConfigError(ValueError):
-    """An invalid config; ``messages`` holds one actionable line per problem."""
-
-    def __init__(self, messages: Iterable[str] | str) -> None:
-        self.messages: list[str] = [messages] if isinstance(messages, str) else list(messages)
-        count = len(self.messages)
-        header = f"invalid config ({count} problem{'s' if count != 1 else ''}):"
-        super().__init__("\n".join([header, *(f"  - {m}" for m in self.messages)]))
 
 
 def validate_single_controller_config(cfg: MasterConfig) -> list[str]:
@@ -74,6 +68,7 @@ class _Checker:
         self.check_checkpointing()
         self.check_rollout_checkpointing()
         self.check_rollout_recovery()
+        self.check_task()
         self.check_env()
 
     # ------------------------------------------------------------------ sampler class
@@ -139,7 +134,7 @@ class _Checker:
                 "only; set policy.generation.colocated.enabled: true (generation shares the "
                 "trainer's devices) or leave stand_down at true"
             )
-        if generation.backend != "torch" and "torch" in generation.model_fields_set:
+        if generation.backend != "torch" and generation.torch != TorchGenerationConfig():
             self.error(
                 f"policy.generation.torch: set, but backend is {generation.backend!r} — these "
                 "keys configure the torch engine only; remove them or use backend torch"
@@ -187,6 +182,7 @@ class _Checker:
         self.check_legacy_and_epochs(algo)
         self.check_unsupported_features(algo)
         self.check_batch_sizes(algo)
+        self.check_sequence_length()
         self.check_streaming(algo)
         self.check_buffer_and_inflight(algo)
         self.check_importance_sampling()
@@ -268,6 +264,18 @@ class _Checker:
                     f"{owner}.train_global_batch_size ({global_batch}); pick a divisor"
                 )
 
+    def check_sequence_length(self) -> None:
+        policy = self.cfg.policy
+        new_tokens = policy.generation.max_new_tokens
+        if new_tokens >= policy.max_total_sequence_length:
+            self.error(
+                f"policy.generation.max_new_tokens: {new_tokens} leaves no room for the prompt "
+                f"in policy.max_total_sequence_length ({policy.max_total_sequence_length}); the "
+                "trainer refuses a sequence longer than that (NeMo-RL's engines cut completions "
+                "at the context length instead) — set max_new_tokens to "
+                "max_total_sequence_length minus your longest prompt"
+            )
+
     def check_streaming(self, algo: str) -> None:
         n_prompts = self.cfg.algorithm.num_prompts_per_step
         min_groups = self.cfg.async_rl.min_groups_for_streaming_train
@@ -316,18 +324,14 @@ class _Checker:
     def check_importance_sampling(self) -> None:
         sampler = self.sampler
         if sampler.name == "in_order":
-            lookahead = max(sampler.max_lookahead_versions, sampler.warmup_lookahead_versions or 0)
-            off_policy = lookahead > 0
             knob = "async_rl.sampler.max_lookahead_versions"
         elif sampler.name in ("weight_fifo", "windowed"):
-            off_policy = sampler.max_staleness_versions > 0
             knob = "async_rl.sampler.max_staleness_versions"
         elif sampler.name == "ready_first":
-            off_policy = True
             knob = "async_rl.sampler.name (ready_first trains late stragglers)"
         else:
             return
-        if off_policy and not self.cfg.loss_fn.use_importance_sampling_correction:
+        if admits_off_policy(sampler) and not self.cfg.loss_fn.use_importance_sampling_correction:
             self.error(
                 "loss_fn.use_importance_sampling_correction: must be true because the sampler "
                 f"admits off-policy data ({knob}); set it to true, or make the sampler "
@@ -474,19 +478,6 @@ class _Checker:
                     f"rollout_checkpointing.extra_fingerprint_excluded_paths[{index}]: {path!r} "
                     f"{problem}"
                 )
-        if "commit_log" in rc.model_fields_set and rc.commit_log:
-            if not cfg.checkpointing.enabled:
-                self.error(
-                    "rollout_checkpointing.commit_log: true needs checkpointing.enabled: true (the "
-                    "log is replayed on top of a checkpoint); set checkpointing.enabled or drop "
-                    "the key"
-                )
-            elif not cfg.checkpointing.save_data_plane:
-                self.error(
-                    "rollout_checkpointing.commit_log: true needs checkpointing.save_data_plane: "
-                    "true (committed groups are restored, not regenerated, only with an "
-                    "authoritative replay index)"
-                )
         if rc.snapshot_attempt_interval_s is None:
             return
         need = "periodic rollout snapshots (rollout_checkpointing.snapshot_attempt_interval_s)"
@@ -533,6 +524,26 @@ class _Checker:
             self.error(
                 f"token_capture.enabled: must be true for non-default recovery policies "
                 f"({', '.join(non_default)}); enable token capture or remove them"
+            )
+
+    def check_task(self) -> None:
+        """No silent substitution: a real model never trains on the toy task by omission."""
+        cfg = self.cfg
+        if cfg.data.dataset is not None:
+            return
+        model = cfg.policy.model_name
+        if not model.startswith("tiny://"):
+            self.error(
+                f"data.dataset: not set, so policy.model_name {model!r} would train on the "
+                "built-in counting task; set data.dataset to your JSONL file (with "
+                "data.prompt_key, data.answer_key) and env.name to its environment, or write "
+                "data.dataset: builtin://counting to train on the counting task on purpose"
+            )
+        elif cfg.env.name != "counting":
+            self.error(
+                f"data.dataset: not set while env.name is {cfg.env.name!r}; the default "
+                "dataset is the counting task — set data.dataset (builtin://math for the "
+                "bundled math prompts, or your JSONL file)"
             )
 
     def check_env(self) -> None:

@@ -26,6 +26,7 @@ import torch
 
 from tandemrl.checkpoint.restore import RestorePlan, resume
 from tandemrl.config.models import MasterConfig
+from tandemrl.config.redact import redact_tree
 from tandemrl.controller.build import ControllerParts, build_controller
 from tandemrl.controller.ray_proxy import ActorProxy
 from tandemrl.controller.single_controller import SingleController
@@ -170,6 +171,7 @@ class SingleControllerActor:
             total_steps=self.cfg.algorithm.max_num_steps,
             display=False,
             overwrite=self.overwrite_logs,
+            run_config=redact_tree(self.cfg.model_dump(mode="json", by_alias=True)),
         )
         try:
             self.controller = self._build(metrics)

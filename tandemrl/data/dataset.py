@@ -27,6 +27,8 @@ from tandemrl.config.models import DataConfig
 from tandemrl.envs.counting import continue_count
 
 BUILTIN_PREFIX = "builtin://"
+# What data.dataset: null reads (validation allows it only with a tiny:// model).
+DEFAULT_DATASET = "builtin://counting"
 COUNTING_PROMPT_DIGITS = 3
 MATH_SMALL_FILE = "math_small.jsonl"
 
@@ -139,14 +141,15 @@ def _load_math_small() -> list[PromptRecord]:
 
 def load_prompt_records(cfg: DataConfig) -> list[PromptRecord]:
     """The dataset ``data.dataset`` names, in its stored (unshuffled) order."""
-    if cfg.dataset.startswith(BUILTIN_PREFIX):
-        name = cfg.dataset.removeprefix(BUILTIN_PREFIX)
+    source = cfg.dataset or DEFAULT_DATASET
+    if source.startswith(BUILTIN_PREFIX):
+        name = source.removeprefix(BUILTIN_PREFIX)
         if name == "counting":
             return generate_counting_records(cfg.num_prompts, cfg.seed)
         if name == "math":
             return _load_math_small()
         raise DatasetError(
-            f"data.dataset={cfg.dataset!r}: unknown built-in dataset; "
+            f"data.dataset={source!r}: unknown built-in dataset; "
             "use builtin://counting, builtin://math or a JSONL file path"
         )
-    return load_jsonl(cfg.dataset, cfg)
+    return load_jsonl(source, cfg)

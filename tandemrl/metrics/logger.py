@@ -5,7 +5,9 @@ field (``REQUIRED_FIELDS``) is missing or the step does not come after the last 
 
 - appends one JSON object as one line to ``metrics.jsonl`` and flushes it (``logger.jsonl``);
 - writes every numeric field as a TensorBoard scalar at that step (``logger.tensorboard``);
-- updates the progress display (rich bar, or one log line per step) unless ``display=False``.
+- updates the progress display (rich bar, or one log line per step) unless ``display=False``;
+- hands the row to each experiment tracker ``logger.wandb`` / ``logger.mlflow`` enables
+  (``trackers.py``), which log the same numeric fields at the same step.
 
 ``log_samples(step, samples)`` appends a few sampled completions with their rewards to
 ``samples.jsonl`` and to TensorBoard as text. ``close()`` writes ``reward_throughput.png``
@@ -39,6 +41,7 @@ from rich.console import Console
 
 from tandemrl.config.models import LoggerConfig
 from tandemrl.metrics.progress import ProgressDisplay
+from tandemrl.metrics.trackers import MetricsSink, open_trackers
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +142,9 @@ class MetricsLogger:
         console: Console | None = None,
         display: bool = True,
         overwrite: bool = False,
+        run_config: Mapping[str, Any] | None = None,
     ) -> None:
+        """``run_config``: the config (credentials redacted) the trackers record with the run."""
         if resume_step is not None and resume_step < 0:
             raise ValueError(f"resume_step must be >= 0, got {resume_step}")
         self.cfg = cfg
@@ -156,6 +161,8 @@ class MetricsLogger:
         self._closed = False
         self._jsonl: TextIO | None = None
         self._writer: Any = None
+        self._run_config = run_config
+        self._trackers: list[MetricsSink] = []
         self.progress: ProgressDisplay | None = None
         if display:
             self.progress = ProgressDisplay(
@@ -187,6 +194,11 @@ class MetricsLogger:
             self._writer = SummaryWriter(
                 log_dir=str(self.log_dir / TENSORBOARD_DIR), purge_step=self.resume_step
             )
+        # A resumed run continues its tracker runs; resume_step 0 (or --overwrite) starts new
+        # ones.
+        self._trackers = open_trackers(
+            self.cfg, run_config=self._run_config, resume=bool(self.resume_step)
+        )
 
     def _restore_jsonl(self, resume_step: int | None) -> None:
         if self.metrics_path.exists():
@@ -241,6 +253,8 @@ class MetricsLogger:
                 ):
                     self._writer.add_scalar(name, value, global_step=step)
             self._writer.flush()
+        for tracker in self._trackers:
+            tracker.log_step(step, metrics)
         self._remember(metrics)
         if self.progress is not None:
             self.progress.update(metrics)
@@ -276,6 +290,8 @@ class MetricsLogger:
             self._jsonl.close()
         if self._writer is not None:
             self._writer.close()
+        for tracker in self._trackers:
+            tracker.close()
         if self.cfg.plot and self._history:
             self.write_plot()
 

@@ -15,6 +15,7 @@ detached, shaped by ``importance_sampling.mode``:
 - ``icepop``: w_t where low ≤ w_t ≤ high, else 0 (the token is dropped from the gradient)
 - ``seq-mask-tis``: a sequence whose geometric-mean weight exp(mean_t log w_t) lies outside
   [low, high] is dropped whole; the others get min(w_t, truncation)
+- ``untruncated``: w_t as it is
 - ``none``: 1 (the weights are still measured for the metrics)
 
 Normalization (the loss is a sum over the *whole RL step*, which may arrive in chunks):
@@ -110,6 +111,8 @@ def importance_weights(
     is_cfg = cfg.importance_sampling
     if is_cfg.mode == "none":
         weights = torch.ones_like(raw)
+    elif is_cfg.mode == "untruncated":
+        weights = raw
     elif is_cfg.mode == "tis":
         weights = raw.clamp(max=is_cfg.truncation)
     elif is_cfg.mode == "icepop":

@@ -107,26 +107,35 @@ def build_optimizer(
 
 
 class WarmupFactor:
-    """lr multiplier: (step + 1) / warmup_steps for the first ``warmup_steps`` steps, then 1.
+    """lr multiplier over the first ``warmup_steps`` steps, then 1.
 
-    The first optimizer step uses lr / warmup_steps; step ``warmup_steps - 1`` the full lr.
+    Without ``start_factor``: (step + 1) / warmup_steps, so the first optimizer step uses
+    lr / warmup_steps and step ``warmup_steps - 1`` the full lr. With it (torch's LinearLR,
+    what NeMo-RL's configs use): start_factor + (1 - start_factor) * step / warmup_steps,
+    so the first step uses start_factor x lr and step ``warmup_steps`` the full lr.
     A class (not a lambda) so that the scheduler pickles.
     """
 
-    def __init__(self, warmup_steps: int) -> None:
+    def __init__(self, warmup_steps: int, start_factor: float | None = None) -> None:
         self.warmup_steps = warmup_steps
+        self.start_factor = start_factor
 
     def __call__(self, step: int) -> float:
         if self.warmup_steps <= 0:
             return 1.0
-        return min(1.0, (step + 1) / self.warmup_steps)
+        if self.start_factor is None:
+            return min(1.0, (step + 1) / self.warmup_steps)
+        progress = min(1.0, step / self.warmup_steps)
+        return self.start_factor + (1.0 - self.start_factor) * progress
 
 
 def build_scheduler(
     optimizer: torch.optim.Optimizer, cfg: SchedulerConfig | None
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    warmup = cfg.warmup_steps if cfg is not None and cfg.name == "linear_warmup" else 0
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupFactor(warmup))
+    if cfg is None or cfg.name != "linear_warmup":
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupFactor(0))
+    factor = WarmupFactor(cfg.warmup_steps, cfg.start_factor)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 class OptimizerOffload:

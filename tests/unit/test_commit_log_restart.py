@@ -21,7 +21,7 @@ from tandemrl.checkpoint.layout import JOURNAL, list_snapshot_dirs, list_step_di
 from tandemrl.checkpoint.restore import plan_restore, resume
 from tandemrl.checkpoint.rollout_state import read_rollout_state
 from tandemrl.config.loader import load_config
-from tandemrl.config.validate import ConfigError, validate_single_controller_config
+from tandemrl.config.validate import validate_single_controller_config
 from tandemrl.controller.build import build_fake_controller
 from tandemrl.generation.fake import FakeGenerationBackend, LatencyModel
 from tandemrl.training.fake import FakeTrainer
@@ -257,15 +257,14 @@ def test_inspect_reports_what_the_log_restores(tmp_path):
     assert "commit log" in text and "replays" in text
 
 
-def test_commit_log_config_errors_name_the_dotpath():
+def test_commit_log_true_is_the_default_and_operational():
     def check(path: str, *overrides: str) -> None:
         validate_single_controller_config(load_config(path, list(overrides)))
 
-    # checkpointing is off in this config: an explicit commit_log would do nothing
-    with pytest.raises(ConfigError) as refused:
-        check("examples/configs/grpo_tiny_cpu.yaml", "rollout_checkpointing.commit_log=true")
-    assert any(m.startswith("rollout_checkpointing.commit_log:") for m in refused.value.messages)
-    check("examples/configs/grpo_tiny_cpu.yaml")  # the default stays quiet
+    # true is the default and means "whenever checkpointing can use it": written out (as
+    # validate --print writes it) it must load as the same, valid run, checkpointing or not.
+    check("examples/configs/grpo_tiny_cpu.yaml", "rollout_checkpointing.commit_log=true")
+    check("examples/configs/grpo_tiny_cpu.yaml")
     # the key is operational: not part of the fingerprint
     on = load_config("examples/configs/grpo_tiny_cpu_checkpointed.yaml", [])
     off = load_config(

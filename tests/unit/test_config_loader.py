@@ -162,7 +162,7 @@ def test_self_reference_is_a_cycle(tmp_path):
 
 
 def test_escaped_reference_is_literal(tmp_path):
-    path = write(tmp_path, "logger:\n  log_dir: runs/$${not.a.ref}\n")
+    path = write(tmp_path, "logger:\n  log_dir: runs/\\${not.a.ref}\n")
     assert load_config(path).logger.log_dir == "runs/${not.a.ref}"
 
 
@@ -217,7 +217,9 @@ def test_malformed_overrides_are_all_reported(tmp_path):
     path = write(tmp_path, "grpo:\n  seed: 1\n")
     messages = problems(path, ("grpo.seed", "=3", "grpo..seed=1", "grpo.seed.x=1"))
     assert len(messages) == 4
-    assert "'grpo.seed': an override must look like a.b.c=value" in messages[0]
+    assert messages[0].startswith("'grpo.seed': not a valid override")
+    assert messages[1].startswith("'=3':")
+    assert messages[2].startswith("'grpo..seed=1':")
     assert messages[3].startswith("grpo.seed.x:") and "not a mapping" in messages[3]
 
 
@@ -255,8 +257,8 @@ def test_knob_of_another_sampler_mode_gets_a_specific_message(tmp_path):
     )
     assert problems(path) == [
         "async_rl.sampler.max_staleness_versions: belongs to sampler mode(s) weight_fifo, "
-        "ready_first, windowed; it has no effect under in_order — remove it or change "
-        "async_rl.sampler.name"
+        "ready_first, windowed; it has no effect under in_order — remove it (or set it to "
+        "null) or change async_rl.sampler.name"
     ]
 
 
@@ -329,7 +331,7 @@ def test_empty_file_loads_defaults(tmp_path):
 def test_config_to_dict_round_trips_through_load(tmp_path):
     path = write(
         tmp_path,
-        """
+        r"""
         ppo:
           num_prompts_per_step: 4
           adv_estimator: {name: gae, lambda: 0.9}
@@ -338,7 +340,7 @@ def test_config_to_dict_round_trips_through_load(tmp_path):
         async_rl:
           sampler: {name: custom, target: 'pkg.mod:Cls', window: 3}
         logger:
-          log_dir: runs/$${literal}
+          log_dir: runs/\${literal}
         """,
     )
     cfg = load_config(path)

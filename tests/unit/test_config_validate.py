@@ -706,9 +706,9 @@ def test_mooncake_data_plane_is_refused():
 
 
 def test_custom_env_needs_a_target_and_only_it_takes_one():
-    find(errors("env.name=custom"), "env.target", "required")
+    find(errors("env.name=custom", "data.dataset=d.jsonl"), "env.target", "required")
     find(errors("env.target=pkg.mod:Env"), "env.target", "only used")
-    assert warnings("env.name=custom", "env.target=pkg.mod:Env") == []
+    assert warnings("env.name=custom", "env.target=pkg.mod:Env", "data.dataset=d.jsonl") == []
 
 
 def test_config_error_lists_every_message_in_its_text():
