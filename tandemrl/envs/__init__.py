@@ -3,7 +3,8 @@
 ``create_environment(cfg)`` builds the environment that ``env:`` names: the built-in
 ``counting`` task (the tiny default model learns it), ``math`` (verifiable arithmetic
 answers) or ``custom`` (``env.target: "module:ClassName"``, an ``Environment`` subclass),
-each constructed with ``env.kwargs``.
+each constructed with ``env.kwargs``. The contract an environment implements, and how a slow
+or ``async`` scorer keeps the controller's event loop free, is in ``tandemrl.envs.base``.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import importlib
 
 from tandemrl.config.models import EnvConfig
-from tandemrl.envs.base import Environment
+from tandemrl.envs.base import AsyncEnvironment, Environment
 from tandemrl.envs.counting import CountingEnv
 from tandemrl.envs.math import MathEnv
 
@@ -54,13 +55,19 @@ def create_environment(cfg: EnvConfig) -> Environment:
         env_class = BUILTIN_ENVIRONMENTS[cfg.name]
         described = f"env.name={cfg.name!r}"
     try:
-        return env_class(**cfg.kwargs)
+        env = env_class(**cfg.kwargs)
     except TypeError as error:
         raise TypeError(f"{described}: env.kwargs {cfg.kwargs!r} rejected: {error}") from error
+    try:
+        env.check_scoring_settings()
+    except ValueError as error:
+        raise ValueError(f"{described}: {error}") from error
+    return env
 
 
 __all__ = [
     "BUILTIN_ENVIRONMENTS",
+    "AsyncEnvironment",
     "CountingEnv",
     "Environment",
     "MathEnv",
