@@ -38,6 +38,7 @@ BUILTIN_EXCLUDED_PATHS: tuple[str, ...] = (
     "ppo.max_num_steps",
     "policy.generation.num_workers",
     "policy.device",
+    "env.python_path",  # where env.target is imported from, not what it computes
 )
 
 # A key names a credential when its last word is one (``hf_token``, ``wandb_api_key``,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import sys
 import threading
 
 import pytest
@@ -398,3 +399,51 @@ def test_create_environment_refuses_scoring_settings_that_would_stall(
 class ConfigurableJudge(AsyncEnvironment):
     async def score_async(self, item, completion, *, truncated):
         return EnvResult(reward=0.0)
+
+
+# -- env.python_path: importing a custom environment from a folder ---------------------------
+
+ENV_MODULE = """
+from tandemrl.envs.base import Environment
+from tandemrl.records import EnvResult
+
+
+class FolderEnv(Environment):
+    def __init__(self, reward=0.75):
+        self.reward = reward
+
+    def score(self, item, completion, *, truncated):
+        return EnvResult(reward=self.reward)
+"""
+
+
+def test_custom_environment_imports_from_env_python_path(tmp_path, monkeypatch) -> None:
+    module = f"folder_env_{tmp_path.name.replace('-', '_')}"  # unique: sys.modules is global
+    (tmp_path / "envs_here").mkdir()
+    (tmp_path / "envs_here" / f"{module}.py").write_text(ENV_MODULE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # undone after the test
+    cfg = EnvConfig(name="custom", target=f"{module}:FolderEnv", kwargs={"reward": 0.5})
+    with pytest.raises(ImportError, match=r"env\.python_path"):
+        create_environment(cfg)  # not importable without the folder
+    env = create_environment(cfg.model_copy(update={"python_path": ["envs_here"]}))
+    assert env.score(make_item("1="), "x", truncated=False).reward == 0.5
+    assert sys.path[0] == str(tmp_path / "envs_here")
+
+
+def test_env_python_path_that_is_not_a_folder_is_refused_by_name(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    cfg = EnvConfig(name="custom", target="m:E", python_path=["missing_folder"])
+    with pytest.raises(FileNotFoundError, match=r"env\.python_path\[0\]='missing_folder'"):
+        create_environment(cfg)
+
+
+def test_env_python_path_is_not_part_of_the_rollout_fingerprint() -> None:
+    from tandemrl.checkpoint.fingerprint import compatibility_identity
+    from tandemrl.config.models import MasterConfig
+
+    here = MasterConfig(env=EnvConfig(name="custom", target="m:E", python_path=["a"]))
+    there = here.model_copy(update={"env": here.env.model_copy(update={"python_path": ["b"]})})
+    other_target = here.model_copy(update={"env": here.env.model_copy(update={"target": "m:F"})})
+    assert compatibility_identity(here) == compatibility_identity(there)
+    assert compatibility_identity(here) != compatibility_identity(other_target)
