@@ -62,28 +62,33 @@ def add_python_path(cfg: EnvConfig) -> list[Path]:
             )
         directories.append(directory)
     for directory in reversed(directories):  # the first entry ends up first
-        if str(directory) not in sys.path:
-            sys.path.insert(0, str(directory))
+        if str(directory) in sys.path:
+            sys.path.remove(str(directory))
+        sys.path.insert(0, str(directory))
     if directories:
         importlib.invalidate_caches()  # a directory made after the first import is searched too
     return directories
 
 
-def create_environment(cfg: EnvConfig) -> Environment:
+def environment_class(cfg: EnvConfig) -> type[Environment]:
+    """The class ``env:`` names, imported through ``env.python_path`` for a custom one (a
+    check that needs no instance: ``create_environment`` builds one)."""
     if cfg.name == "custom":
         if not cfg.target:
             raise ValueError("env.name is 'custom' but env.target is not set ('module:ClassName')")
         add_python_path(cfg)
-        env_class = import_environment_class(cfg.target)
-        described = f"env.target={cfg.target!r}"
-    else:
-        if cfg.target is not None:
-            raise ValueError(
-                f"env.target={cfg.target!r} is only used with env.name: custom "
-                f"(env.name is {cfg.name!r}); remove env.target or set env.name: custom"
-            )
-        env_class = BUILTIN_ENVIRONMENTS[cfg.name]
-        described = f"env.name={cfg.name!r}"
+        return import_environment_class(cfg.target)
+    if cfg.target is not None:
+        raise ValueError(
+            f"env.target={cfg.target!r} is only used with env.name: custom "
+            f"(env.name is {cfg.name!r}); remove env.target or set env.name: custom"
+        )
+    return BUILTIN_ENVIRONMENTS[cfg.name]
+
+
+def create_environment(cfg: EnvConfig) -> Environment:
+    env_class = environment_class(cfg)
+    described = f"env.target={cfg.target!r}" if cfg.name == "custom" else f"env.name={cfg.name!r}"
     try:
         env = env_class(**cfg.kwargs)
     except TypeError as error:
@@ -103,5 +108,6 @@ __all__ = [
     "MathEnv",
     "add_python_path",
     "create_environment",
+    "environment_class",
     "import_environment_class",
 ]
