@@ -440,6 +440,9 @@ class EnvConfig(Strict):
     # env.name == custom: "module:ClassName" of an Environment subclass.
     target: str | None = None
     kwargs: dict[str, Any] = {}
+    # env.name == custom: directories put first on the import path of the process that builds
+    # the environment (the controller actor), relative ones against its working directory.
+    python_path: list[str] = []
 
 
 class ClusterConfig(Strict):

@@ -555,6 +555,14 @@ class _Checker:
                 f"env.target: only used when env.name is custom (env.name is {env.name!r}); "
                 "remove it"
             )
+        if env.name != "custom" and env.python_path:
+            self.error(
+                f"env.python_path: only used when env.name is custom (env.name is {env.name!r}); "
+                "remove it"
+            )
+        for index, entry in enumerate(env.python_path):
+            if not entry.strip():
+                self.error(f"env.python_path[{index}]: empty; give a directory")
 
 
 def _excluded_path_problem(path: Any) -> str:

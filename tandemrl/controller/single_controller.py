@@ -37,6 +37,7 @@ from tandemrl.checkpoint.journal import RunJournal
 from tandemrl.checkpoint.writer import CheckpointWriter
 from tandemrl.config.models import StallWatchdogConfig
 from tandemrl.controller.barrier import CheckpointBarrier
+from tandemrl.controller.eviction_warning import EvictionWatch
 from tandemrl.controller.step_metrics import StepAccumulator, TrainedGroup
 from tandemrl.controller.step_runner import StepRunner
 from tandemrl.controller.watchdog import stall_watchdog
@@ -194,6 +195,12 @@ class SingleController:
         self._history_taken = 0  # rows taken and forgotten before history[0]
         # (step index, group) for every group trained by this process: the per-run record.
         self.trained_groups: list[tuple[int, TrainedGroup]] = []
+        self.eviction_watch = EvictionWatch.for_sampler(
+            sampler,
+            groups_per_step=settings.num_prompts_per_step,
+            max_inflight_prompts=settings.max_inflight_prompts,
+            buffer_capacity=buffer.capacity,
+        )
 
     # ------------------------------------------------------------------ public
 
@@ -577,6 +584,7 @@ class SingleController:
 
     async def _evict(self, version: int) -> None:
         evicted = await self.sampler.evict(current_train_weight=version)
+        self.eviction_watch.observe(evicted=len(evicted), trained_groups=self.state.consumed_groups)
         if evicted:
             async with self.barrier.mutation():
                 await self.data_plane.clear([sid for slot in evicted for sid in slot.sample_ids])

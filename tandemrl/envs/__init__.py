@@ -3,15 +3,19 @@
 ``create_environment(cfg)`` builds the environment that ``env:`` names: the built-in
 ``counting`` task (the tiny default model learns it), ``math`` (verifiable arithmetic
 answers) or ``custom`` (``env.target: "module:ClassName"``, an ``Environment`` subclass),
-each constructed with ``env.kwargs``.
+each constructed with ``env.kwargs``; ``env.python_path`` lists folders to import a custom
+environment's module from. The contract an environment implements, and how a slow
+or ``async`` scorer keeps the controller's event loop free, is in ``tandemrl.envs.base``.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
+from pathlib import Path
 
 from tandemrl.config.models import EnvConfig
-from tandemrl.envs.base import Environment
+from tandemrl.envs.base import AsyncEnvironment, Environment
 from tandemrl.envs.counting import CountingEnv
 from tandemrl.envs.math import MathEnv
 
@@ -27,7 +31,8 @@ def import_environment_class(target: str) -> type[Environment]:
         module = importlib.import_module(module_name)
     except ImportError as error:
         raise ImportError(
-            f"env.target={target!r}: cannot import module {module_name!r}: {error}"
+            f"env.target={target!r}: cannot import module {module_name!r}: {error}; list the "
+            "folder that holds it in env.python_path (or install it as a package)"
         ) from error
     env_class = getattr(module, class_name, None)
     if env_class is None:
@@ -39,31 +44,70 @@ def import_environment_class(target: str) -> type[Environment]:
     return env_class
 
 
-def create_environment(cfg: EnvConfig) -> Environment:
+def add_python_path(cfg: EnvConfig) -> list[Path]:
+    """Put ``env.python_path`` first on this process's import path; return the directories.
+
+    Runs where the environment is built: in ``tandemrl train`` that is the controller actor,
+    a Ray worker whose working directory is the driver's on a local Ray instance (and the
+    uploaded ``working_dir`` under ``ray job submit --working-dir``), so a relative entry
+    means the same folder there as where the user typed it.
+    """
+    directories = []
+    for index, entry in enumerate(cfg.python_path):
+        directory = Path(entry).expanduser().resolve()
+        if not directory.is_dir():
+            raise FileNotFoundError(
+                f"env.python_path[{index}]={entry!r}: no such directory ({directory}, seen "
+                f"from {Path.cwd()}); give a folder holding env.target's module"
+            )
+        directories.append(directory)
+    for directory in reversed(directories):  # the first entry ends up first
+        if str(directory) in sys.path:
+            sys.path.remove(str(directory))
+        sys.path.insert(0, str(directory))
+    if directories:
+        importlib.invalidate_caches()  # a directory made after the first import is searched too
+    return directories
+
+
+def environment_class(cfg: EnvConfig) -> type[Environment]:
+    """The class ``env:`` names, imported through ``env.python_path`` for a custom one (a
+    check that needs no instance: ``create_environment`` builds one)."""
     if cfg.name == "custom":
         if not cfg.target:
             raise ValueError("env.name is 'custom' but env.target is not set ('module:ClassName')")
-        env_class = import_environment_class(cfg.target)
-        described = f"env.target={cfg.target!r}"
-    else:
-        if cfg.target is not None:
-            raise ValueError(
-                f"env.target={cfg.target!r} is only used with env.name: custom "
-                f"(env.name is {cfg.name!r}); remove env.target or set env.name: custom"
-            )
-        env_class = BUILTIN_ENVIRONMENTS[cfg.name]
-        described = f"env.name={cfg.name!r}"
+        add_python_path(cfg)
+        return import_environment_class(cfg.target)
+    if cfg.target is not None:
+        raise ValueError(
+            f"env.target={cfg.target!r} is only used with env.name: custom "
+            f"(env.name is {cfg.name!r}); remove env.target or set env.name: custom"
+        )
+    return BUILTIN_ENVIRONMENTS[cfg.name]
+
+
+def create_environment(cfg: EnvConfig) -> Environment:
+    env_class = environment_class(cfg)
+    described = f"env.target={cfg.target!r}" if cfg.name == "custom" else f"env.name={cfg.name!r}"
     try:
-        return env_class(**cfg.kwargs)
+        env = env_class(**cfg.kwargs)
     except TypeError as error:
         raise TypeError(f"{described}: env.kwargs {cfg.kwargs!r} rejected: {error}") from error
+    try:
+        env.check_scoring_settings()
+    except ValueError as error:
+        raise ValueError(f"{described}: {error}") from error
+    return env
 
 
 __all__ = [
     "BUILTIN_ENVIRONMENTS",
+    "AsyncEnvironment",
     "CountingEnv",
     "Environment",
     "MathEnv",
+    "add_python_path",
     "create_environment",
+    "environment_class",
     "import_environment_class",
 ]

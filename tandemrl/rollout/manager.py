@@ -5,8 +5,9 @@
 rollout:
 
 1. generate every unfinished sibling (one generation call for the group's pending siblings);
-2. score the completions with the environment (one ``score_group`` call per group, falling
-   back to ``score`` per sibling when it raises, so a failure is charged to its sibling);
+2. score the completions with the environment (one awaited ``score_group_async`` call per
+   round, which returns each sibling's result or exception, so a failure is charged to its
+   sibling; a slow scorer runs in threads or as coroutines and never blocks the loop);
    finished siblings are staged in the ledger (token capture), so ``sibling`` recovery never
    regenerates them;
 3. retry failures by class (infrastructure with capped backoff, data without), at the
@@ -118,7 +119,7 @@ def _as_data_failure(outcome: EnvResult | BaseException | None) -> EnvResult | D
         failure = DataFailure(f"{type(outcome).__name__}: {outcome}")
         failure.__cause__ = outcome
         return failure
-    return DataFailure(f"score_group returned {outcome!r}, not an EnvResult or an exception")
+    return DataFailure(f"score_group_async returned {outcome!r}, not an EnvResult or an exception")
 
 
 class RolloutManager:
@@ -283,9 +284,8 @@ class RolloutManager:
                     raise GroupAborted(group.group_id)
             failed_any = False
             finished = []
-            for sibling, result, outcome in zip(
-                pending, results, self._score_all(group, results), strict=True
-            ):
+            scored = await self._score_all(group, results)
+            for sibling, result, outcome in zip(pending, results, scored, strict=True):
                 if isinstance(outcome, DataFailure):
                     retries = data_retries.get(sibling, 0)
                     record = self._record(group, sibling, retries + 1, FailureKind.DATA, outcome)
@@ -325,10 +325,11 @@ class RolloutManager:
                 )
             remaining = timeout - awake_elapsed
 
-    def _score_all(
+    async def _score_all(
         self, group: UnfinishedGroup, results: list[GenerationResult]
     ) -> list[EnvResult | DataFailure]:
-        """Score a round's completions with one ``score_group`` call; failures per sibling."""
+        """Score a round's completions with one ``score_group_async`` call (the environment
+        keeps the event loop free: see ``tandemrl.envs.base``); failures per sibling."""
         texts: list[str] = []
         undecodable: dict[int, DataFailure] = {}
         decode, eos = self.codec.decode, self.codec.eos_token_id
@@ -342,20 +343,20 @@ class RolloutManager:
             except Exception as exc:  # the codec is user code too: this sibling's data failure
                 undecodable[index] = _as_data_failure(exc)
         if not undecodable:
-            return self._score_texts(group, results, texts)
+            return await self._score_texts(group, results, texts)
         decoded = [result for index, result in enumerate(results) if index not in undecodable]
-        scored = iter(self._score_texts(group, decoded, texts) if texts else [])
+        scored = iter(await self._score_texts(group, decoded, texts) if texts else [])
         return [undecodable.get(index) or next(scored) for index in range(len(results))]
 
-    def _score_texts(
+    async def _score_texts(
         self, group: UnfinishedGroup, results: list[GenerationResult], texts: list[str]
     ) -> list[EnvResult | DataFailure]:
         truncated = [result.finish_reason == "length" for result in results]
         try:
-            scored = self.env.score_group(group.item, texts, truncated=truncated)
+            scored = await self.env.score_group_async(group.item, texts, truncated=truncated)
             if len(scored) != len(texts):
                 raise ValueError(
-                    f"{type(self.env).__name__}.score_group returned {len(scored)} "
+                    f"{type(self.env).__name__}.score_group_async returned {len(scored)} "
                     f"entries for {len(texts)} completions"
                 )
         except Exception as exc:  # any exception from user reward code is a data failure

@@ -711,6 +711,17 @@ def test_custom_env_needs_a_target_and_only_it_takes_one():
     assert warnings("env.name=custom", "env.target=pkg.mod:Env", "data.dataset=d.jsonl") == []
 
 
+def test_env_python_path_is_only_for_a_custom_env():
+    find(errors("env.python_path=[examples/custom_env]"), "env.python_path", "only used")
+    find(
+        errors("env.name=custom", "env.target=m:E", "env.python_path=['  ']"),
+        "env.python_path[0]",
+        "empty",
+    )
+    custom = ("env.name=custom", "env.target=m:E", "env.python_path=[examples/custom_env]")
+    assert warnings(*custom) == []
+
+
 def test_config_error_lists_every_message_in_its_text():
     error = ConfigError(["a.b: first", "c.d: second"])
     assert error.messages == ["a.b: first", "c.d: second"]

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
+import sys
+import threading
 
 import pytest
 
 from tandemrl.config.models import EnvConfig
 from tandemrl.envs import CountingEnv, MathEnv, create_environment
-from tandemrl.envs.base import Environment
+from tandemrl.envs.base import AsyncEnvironment, Environment
 from tandemrl.envs.counting import clean_completion, continue_count, counting_target
 from tandemrl.envs.math import extract_answer, parse_number
 from tandemrl.records import EnvResult, PromptItem
@@ -260,3 +263,187 @@ def test_create_environment_rejects_bad_kwargs_and_stray_target() -> None:
 def test_scoring_errors_propagate() -> None:
     with pytest.raises(ValueError, match="does not end in a digit"):
         CountingEnv().score(make_item("no digits="), "123", truncated=False)
+
+
+# -- scoring off the event loop: scoring_threads and AsyncEnvironment ------------------------
+
+
+class GatedJudge(AsyncEnvironment):
+    """Each call waits until ``needed`` calls are in flight at once (or fails after 5 s)."""
+
+    def __init__(self, needed: int, fail_on: str | None = None) -> None:
+        self.needed = needed
+        self.fail_on = fail_on
+        self.in_flight = 0
+        self.most_in_flight = 0
+        self.enough: asyncio.Event | None = None
+
+    async def score_async(self, item, completion, *, truncated):
+        if self.enough is None:
+            self.enough = asyncio.Event()
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        if self.in_flight >= self.needed:
+            self.enough.set()
+        try:
+            await asyncio.wait_for(self.enough.wait(), timeout=5)
+        finally:
+            self.in_flight -= 1
+        if completion == self.fail_on:
+            raise ConnectionError(f"judge refused {completion!r}")
+        return EnvResult(reward=float(len(completion)), metadata={"judged": True})
+
+
+def test_async_environment_scores_siblings_concurrently_and_fails_them_one_by_one() -> None:
+    judge = GatedJudge(needed=3, fail_on="bb")  # completes only if all 3 calls overlap
+    outcomes = asyncio.run(
+        judge.score_group_async(make_item("1="), ["a", "bb", "ccc"], truncated=[False] * 3)
+    )
+    assert judge.most_in_flight == 3
+    assert [type(o) for o in outcomes] == [EnvResult, ConnectionError, EnvResult]
+    assert (outcomes[0].reward, outcomes[2].reward) == (1.0, 3.0)
+    assert "judge refused 'bb'" in str(outcomes[1])
+
+
+def test_max_concurrent_scores_caps_calls_in_flight_across_groups() -> None:
+    class CappedJudge(AsyncEnvironment):
+        max_concurrent_scores = 2
+
+        def __init__(self) -> None:
+            self.in_flight = self.most_in_flight = self.calls = 0
+
+        async def score_async(self, item, completion, *, truncated):
+            self.in_flight += 1
+            self.calls += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+            for _ in range(3):  # hold the slot over a few loop turns
+                await asyncio.sleep(0)
+            self.in_flight -= 1
+            return EnvResult(reward=1.0)
+
+    judge = CappedJudge()
+
+    async def two_groups():
+        return await asyncio.gather(
+            judge.score_group_async(make_item("1="), ["a"] * 4, truncated=[False] * 4),
+            judge.score_group_async(make_item("2="), ["b"] * 4, truncated=[False] * 4),
+        )
+
+    first, second = asyncio.run(two_groups())
+    assert judge.calls == 8 and len(first) == len(second) == 4
+    assert judge.most_in_flight == 2
+    # a second event loop (a script scoring twice) gets a semaphore of its own
+    asyncio.run(two_groups())
+    assert judge.calls == 16
+
+
+def test_async_environment_score_runs_outside_an_event_loop() -> None:
+    judge = GatedJudge(needed=1)
+    assert judge.score(make_item("1="), "abcd", truncated=False).reward == 4.0
+
+
+def test_blocking_scorer_with_scoring_threads_leaves_the_event_loop_free() -> None:
+    """The scorer blocks its thread until a coroutine on the loop releases it: with
+    scoring_threads it finishes; inline it would deadlock the loop (not run here)."""
+
+    class BlockingVerifier(Environment):
+        scoring_threads = 2
+
+        def __init__(self) -> None:
+            self.release = threading.Event()
+            self.threads: set[int] = set()
+
+        def score(self, item, completion, *, truncated):
+            self.threads.add(threading.get_ident())
+            if not self.release.wait(timeout=5):
+                raise TimeoutError("never released: the event loop was blocked")
+            return EnvResult(reward=1.0)
+
+    verifier = BlockingVerifier()
+
+    async def score_while_the_loop_runs():
+        scoring = asyncio.ensure_future(
+            verifier.score_group_async(make_item("1="), ["a", "b"], truncated=[False, False])
+        )
+        while not verifier.threads:  # the loop keeps turning while the thread blocks
+            await asyncio.sleep(0.001)
+        verifier.release.set()
+        return await scoring
+
+    outcomes = asyncio.run(score_while_the_loop_runs())
+    assert [o.reward for o in outcomes] == [1.0, 1.0]
+    assert threading.get_ident() not in verifier.threads
+
+
+@pytest.mark.parametrize(
+    ("attribute", "value", "message"),
+    [
+        ("scoring_threads", -1, "scoring_threads must be an integer >= 0"),
+        ("scoring_threads", 1.5, "scoring_threads must be an integer >= 0"),
+        ("max_concurrent_scores", 0, "max_concurrent_scores must be None"),
+    ],
+)
+def test_create_environment_refuses_scoring_settings_that_would_stall(
+    attribute: str, value: object, message: str
+) -> None:
+    setattr(ConfigurableJudge, attribute, value)
+    try:
+        with pytest.raises(ValueError, match=re.escape(message)) as raised:
+            create_environment(EnvConfig(name="custom", target=f"{__name__}:ConfigurableJudge"))
+        assert "env.target=" in str(raised.value)
+    finally:
+        ConfigurableJudge.scoring_threads = 0
+        ConfigurableJudge.max_concurrent_scores = None
+
+
+class ConfigurableJudge(AsyncEnvironment):
+    async def score_async(self, item, completion, *, truncated):
+        return EnvResult(reward=0.0)
+
+
+# -- env.python_path: importing a custom environment from a folder ---------------------------
+
+ENV_MODULE = """
+from tandemrl.envs.base import Environment
+from tandemrl.records import EnvResult
+
+
+class FolderEnv(Environment):
+    def __init__(self, reward=0.75):
+        self.reward = reward
+
+    def score(self, item, completion, *, truncated):
+        return EnvResult(reward=self.reward)
+"""
+
+
+def test_custom_environment_imports_from_env_python_path(tmp_path, monkeypatch) -> None:
+    module = f"folder_env_{tmp_path.name.replace('-', '_')}"  # unique: sys.modules is global
+    (tmp_path / "envs_here").mkdir()
+    (tmp_path / "envs_here" / f"{module}.py").write_text(ENV_MODULE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # undone after the test
+    cfg = EnvConfig(name="custom", target=f"{module}:FolderEnv", kwargs={"reward": 0.5})
+    with pytest.raises(ImportError, match=r"env\.python_path"):
+        create_environment(cfg)  # not importable without the folder
+    env = create_environment(cfg.model_copy(update={"python_path": ["envs_here"]}))
+    assert env.score(make_item("1="), "x", truncated=False).reward == 0.5
+    assert sys.path[0] == str(tmp_path / "envs_here")
+
+
+def test_env_python_path_that_is_not_a_folder_is_refused_by_name(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    cfg = EnvConfig(name="custom", target="m:E", python_path=["missing_folder"])
+    with pytest.raises(FileNotFoundError, match=r"env\.python_path\[0\]='missing_folder'"):
+        create_environment(cfg)
+
+
+def test_env_python_path_is_not_part_of_the_rollout_fingerprint() -> None:
+    from tandemrl.checkpoint.fingerprint import compatibility_identity
+    from tandemrl.config.models import MasterConfig
+
+    here = MasterConfig(env=EnvConfig(name="custom", target="m:E", python_path=["a"]))
+    there = here.model_copy(update={"env": here.env.model_copy(update={"python_path": ["b"]})})
+    other_target = here.model_copy(update={"env": here.env.model_copy(update={"target": "m:F"})})
+    assert compatibility_identity(here) == compatibility_identity(there)
+    assert compatibility_identity(here) != compatibility_identity(other_target)

@@ -61,7 +61,7 @@ def test_rows_carry_every_metadata_field_and_match_the_block() -> None:
     results[1].token_ids = results[1].token_ids[:2]  # stopped early: not truncated, kept
     results[1].logprobs = results[1].logprobs[:2]
     results[1].finish_reason = "stop"
-    scored = manager._score_all(group, results)
+    scored = asyncio.run(manager._score_all(group, results))
     for sibling, (result, outcome) in enumerate(zip(results, scored, strict=True)):
         group.staged[sibling] = StagedSibling(result=result, env_result=outcome)
     block, metas = manager._rows(group)
