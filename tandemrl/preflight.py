@@ -139,10 +139,10 @@ def _dataset_problems(cfg: MasterConfig) -> list[str]:
 def _import_problems(cfg: MasterConfig) -> list[str]:
     problems = []
     if cfg.env.name == "custom" and cfg.env.target:
-        from tandemrl.envs import import_environment_class
+        from tandemrl.envs import environment_class
 
         try:
-            import_environment_class(cfg.env.target)
+            environment_class(cfg.env)  # imports through env.python_path, as the run will
         except (ImportError, TypeError, ValueError) as error:
             problems.append(
                 f"{error} (the module must be importable by `tandemrl train`: installed, or on "

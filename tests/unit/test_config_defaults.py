@@ -14,7 +14,10 @@ import yaml
 from tandemrl.cli import main
 from tandemrl.config import check_config, load_config, validate_single_controller_config
 
-EXEMPLARS = sorted((Path(__file__).resolve().parents[2] / "examples" / "configs").glob("*.yaml"))
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+EXEMPLARS = sorted(
+    [*(EXAMPLES / "configs").glob("*.yaml"), EXAMPLES / "custom_env" / "config.yaml"]
+)
 
 
 def write(tmp_path: Path, text: str, name: str = "c.yaml") -> Path:
