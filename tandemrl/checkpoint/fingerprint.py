@@ -48,6 +48,7 @@ BUILTIN_EXCLUDED_PATHS: tuple[str, ...] = (
     "ppo.max_num_steps",
     "policy.generation.num_workers",
     "policy.device",
+    "policy.generation.colocated.mps",
     "env.python_path",  # where env.target is imported from, not what it computes
 )
 

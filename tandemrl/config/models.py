@@ -64,6 +64,9 @@ class ColocatedConfig(Strict):
     # False: it keeps decoding while the trainer runs on the same devices, so a step need not
     # be one whole batch; on one GPU the two processes' kernels overlap only under CUDA MPS.
     stand_down: bool = True
+    # With stand_down false on one GPU: a private CUDA MPS daemon for the run's processes, so
+    # the engine's and the trainer's kernels run at once (tandemrl/controller/mps.py).
+    mps: Literal["auto", "on", "off"] = "auto"
     resources: ColocatedResources = ColocatedResources()
 
 

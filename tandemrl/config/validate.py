@@ -128,6 +128,14 @@ class _Checker:
                     "policy.generation.colocated.enabled: must be false with backend vllm — "
                     "colocated generation is only available with backend torch"
                 )
+        if generation.colocated.mps == "on" and (
+            not generation.colocated.enabled or generation.colocated.stand_down
+        ):
+            self.error(
+                "policy.generation.colocated.mps: on helps only an engine that decodes while "
+                "the trainer runs on the same GPU; set policy.generation.colocated.enabled: "
+                "true and stand_down: false, or mps: auto/off"
+            )
         if not generation.colocated.stand_down and not generation.colocated.enabled:
             self.error(
                 "policy.generation.colocated.stand_down: false applies to colocated generation "

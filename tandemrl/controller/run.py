@@ -33,6 +33,7 @@ import torch
 
 from tandemrl.checkpoint.restore import RestorePlan, plan_restore
 from tandemrl.config import MasterConfig, validate_single_controller_config
+from tandemrl.controller.mps import MpsUnavailable, start_if_useful
 from tandemrl.metrics.logger import previous_run_files
 from tandemrl.metrics.progress import ProgressDisplay
 from tandemrl.preflight import RunRefused, runtime_problems
@@ -166,6 +167,14 @@ def run_training(cfg: MasterConfig, *, overwrite_logs: bool = False) -> int:
     else:
         log.info("a new run; checkpointing is off, so a stopped run cannot be resumed")
 
+    gpus_visible = (
+        cfg.cluster.num_gpus if cfg.cluster.num_gpus is not None else torch.cuda.device_count()
+    )
+    try:
+        # Before Ray starts: its workers inherit the daemon's pipe folder from this process.
+        mps = start_if_useful(cfg, gpus_visible=gpus_visible)
+    except MpsUnavailable as error:
+        raise RunRefused([str(error)]) from error
     started_ray = not ray.is_initialized()
     init_ray(cfg)
     signals = StopSignals()
@@ -188,6 +197,8 @@ def run_training(cfg: MasterConfig, *, overwrite_logs: bool = False) -> int:
             launched.shutdown()
         if started_ray:
             ray.shutdown()
+        if mps is not None:
+            mps.stop()
     log.info("training finished; metrics in %s", cfg.logger.log_dir)
     return EXIT_OK
 
