@@ -912,7 +912,8 @@ def part_grpo(folder: Path, args: argparse.Namespace, peak: float) -> dict:
 # ---------------------------------------------------------------------- main
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (also what ``cli_gpu.py`` reads the shared workload settings with)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--part", nargs="+", default=["ceilings", "decode", "train", "sync", "grpo"]
@@ -1047,7 +1048,11 @@ def main() -> None:
     )
     parser.add_argument("--ceil-tflops", type=float, default=784.0)
     parser.add_argument("--ceil-tbps", type=float, default=4.22)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if args.warmup_steps is None:
         args.warmup_steps = 3 if args.trainer == "tuned" else 1
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
