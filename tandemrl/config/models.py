@@ -66,9 +66,9 @@ class VllmConfig(Strict):
 class TorchGenerationConfig(Strict):
     """The in-process torch engine (backend torch); see tandemrl/generation/torch_engine.py."""
 
-    # Static-cache decode (CUDA graphs on CUDA): "auto" for Qwen2/Llama-family models (on CPU
-    # only while the preallocated cache fits in 256 MiB; the step then runs eagerly), "on"
-    # (refused for other models), "off" (the transformers DynamicCache batch).
+    # Static-cache decode (CUDA graphs on CUDA): "auto" for Llama/Qwen2/Qwen3/Mistral/Phi-3
+    # models (on CPU only while the preallocated cache fits in 256 MiB; the step then runs
+    # eagerly), "on" (refused for other models), "off" (the transformers DynamicCache batch).
     cuda_graphs: Switch = "auto"
     # torch.compile the static step's fused elementwise work (CUDA only).
     compile: bool = True
