@@ -406,6 +406,15 @@ class DataConfig(Strict):
     num_prompts: int = Field(4096, ge=1)
     shuffle: bool = True
     seed: int = 0
+    # How a prompt reaches the model (tandemrl/data/prompt_format.py): "raw", its text as it
+    # is; "chat", rendered by the tokenizer's chat template (add_generation_prompt) as a user
+    # message, or the row's messages_key conversation.
+    prompt_format: Literal["raw", "chat"] = "raw"
+    # chat only: a system message put before every conversation that has none of its own.
+    system_prompt: str | None = None
+    # chat only: the JSONL field that may hold a whole conversation, a list of
+    # {"role": ..., "content": ...}; a row with it needs no prompt_key field.
+    messages_key: str = "messages"
 
 
 class EnvConfig(Strict):

@@ -132,9 +132,10 @@ def build_controller(
     )
     barrier = CheckpointBarrier()
     generation_cfg = cfg.policy.generation
-    stop_ids = tuple(generation_cfg.stop_token_ids)
-    if parts.codec.eos_token_id is not None and parts.codec.eos_token_id not in stop_ids:
-        stop_ids = (*stop_ids, parts.codec.eos_token_id)
+    eos = () if parts.codec.eos_token_id is None else (parts.codec.eos_token_id,)
+    stop_ids = tuple(
+        dict.fromkeys((*generation_cfg.stop_token_ids, *eos, *parts.codec.stop_token_ids))
+    )
     manager = RolloutManager(
         buffer=buffer,
         data_plane=data_plane,

@@ -751,6 +751,10 @@ class TorchGenerationEngine(GenerationBackend):
             input_ids=input_ids.to(self.device),
             attention_mask=mask,
             position_ids=positions,
+            # A cache of full-length layers, passed in: the model's own would keep only the
+            # last window of a sliding-window layer (Gemma), and the batch is merged, trimmed
+            # and masked column by column over the whole length.
+            past_key_values=DynamicCache(),
             use_cache=True,
             logits_to_keep=1,
         )

@@ -256,6 +256,23 @@ def resolve_model_path(model_name: str, cache_dir: str | os.PathLike[str] | None
     return path
 
 
+def resolve_tokenizer_path(tokenizer_name: str | None, model_path: str | os.PathLike[str]) -> Path:
+    """The folder to load the tokenizer from: ``policy.tokenizer.name`` (a ``tiny://`` preset
+    or a folder of tokenizer files), else the model folder."""
+    if tokenizer_name is None:
+        return Path(model_path)
+    if tokenizer_name.startswith(TINY_SCHEME):
+        return resolve_model_path(tokenizer_name)
+    path = Path(tokenizer_name).expanduser()
+    if not path.is_dir():
+        raise ModelPathError(
+            f"policy.tokenizer.name={tokenizer_name!r}: no such folder; give a folder of "
+            "tokenizer files (tokenizer.json, tokenizer_config.json), or null to use "
+            "policy.model_name's"
+        )
+    return path
+
+
 def ensure_tiny_model(preset_name: str, models_dir: Path) -> Path:
     """The folder of a tiny preset under ``models_dir``, written atomically if missing."""
     preset = TINY_PRESETS[preset_name]

@@ -55,12 +55,22 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class TextCodec:
-    """How the rollout turns prompt text into token ids and completions back into text."""
+    """How the rollout turns prompts into token ids and completions back into text."""
 
     encode: Callable[[str], list[int]]
     decode: Callable[[list[int]], str]
     eos_token_id: int | None
     pad_token_id: int
+    # The text the model is given for a prompt (data.prompt_format, e.g. the chat template
+    # rendering); None: the prompt text itself.
+    render_prompt: Callable[[PromptItem], str] | None = None
+    # Every id that ends a completion besides eos_token_id: the model folder's EOS ids and the
+    # configured stops (tandemrl.models.special_tokens). Each request stops on all of them.
+    stop_token_ids: tuple[int, ...] = ()
+
+    def encode_prompt(self, item: PromptItem) -> list[int]:
+        """The prompt token ids of ``item``'s generations."""
+        return self.encode(item.prompt if self.render_prompt is None else self.render_prompt(item))
 
 
 @dataclass(frozen=True)
@@ -130,6 +140,9 @@ class RolloutManager:
         self.env = env
         self.codec = codec
         self.sampling = sampling
+        # A completion's text leaves out the stop token that ended it.
+        eos = () if codec.eos_token_id is None else (codec.eos_token_id,)
+        self._stop_ids = frozenset((*sampling.stop_token_ids, *codec.stop_token_ids, *eos))
         self.group_size = group_size
         self.failure_cfg = failure_cfg
         self.ledger = ledger
@@ -228,7 +241,7 @@ class RolloutManager:
         return requests
 
     async def _generate_all_siblings(self, group: UnfinishedGroup) -> None:
-        prompt_ids = self.codec.encode(group.item.prompt)
+        prompt_ids = self.codec.encode_prompt(group.item)
         infra_retries = 0
         data_retries: dict[int, int] = {}
         attempt = 0
@@ -313,11 +326,11 @@ class RolloutManager:
         """Score a round's completions with one ``score_group`` call; failures per sibling."""
         texts: list[str] = []
         undecodable: dict[int, DataFailure] = {}
-        decode, eos = self.codec.decode, self.codec.eos_token_id
+        decode, stops = self.codec.decode, self._stop_ids
         for index, result in enumerate(results):
-            # The completion's text: its tokens without a final end-of-sequence token.
+            # The completion's text: its tokens without the stop token that ended it.
             completion = result.token_ids
-            if eos is not None and completion and completion[-1] == eos:
+            if completion and completion[-1] in stops:
                 completion = completion[:-1]
             try:
                 texts.append(decode(completion))
