@@ -13,6 +13,9 @@ Sources (``data.dataset``):
   (``583=`` → ``456``), drawn from ``random.Random(data.seed)`` so every run gets the same list.
 - ``builtin://math``: the bundled ``math_small.jsonl`` (arithmetic such as ``12+7=``); its
   size is fixed, so ``data.num_prompts`` does not apply to it.
+- ``builtin://math-heldout``: 200 more problems of the same kinds, none of them in
+  ``builtin://math`` (``math_heldout.jsonl``), for measuring accuracy on problems a run did
+  not train on.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from tandemrl.envs.counting import continue_count
 BUILTIN_PREFIX = "builtin://"
 COUNTING_PROMPT_DIGITS = 3
 MATH_SMALL_FILE = "math_small.jsonl"
+MATH_HELDOUT_FILE = "math_heldout.jsonl"
 
 
 class DatasetError(ValueError):
@@ -161,10 +165,10 @@ def load_jsonl(path: str | Path, cfg: DataConfig) -> list[PromptRecord]:
     return parse_jsonl_text(path.read_text(encoding="utf-8"), cfg, str(path))
 
 
-def _load_math_small() -> list[PromptRecord]:
-    # The bundled file uses the default field names whatever data.*_key say.
-    text = resources.files("tandemrl.data").joinpath(MATH_SMALL_FILE).read_text(encoding="utf-8")
-    return parse_jsonl_text(text, DataConfig(), f"{BUILTIN_PREFIX}math ({MATH_SMALL_FILE})")
+def _load_bundled(name: str, file_name: str) -> list[PromptRecord]:
+    # The bundled files use the default field names whatever data.*_key say.
+    text = resources.files("tandemrl.data").joinpath(file_name).read_text(encoding="utf-8")
+    return parse_jsonl_text(text, DataConfig(), f"{BUILTIN_PREFIX}{name} ({file_name})")
 
 
 def load_prompt_records(cfg: DataConfig) -> list[PromptRecord]:
@@ -174,9 +178,11 @@ def load_prompt_records(cfg: DataConfig) -> list[PromptRecord]:
         if name == "counting":
             return generate_counting_records(cfg.num_prompts, cfg.seed)
         if name == "math":
-            return _load_math_small()
+            return _load_bundled(name, MATH_SMALL_FILE)
+        if name == "math-heldout":
+            return _load_bundled(name, MATH_HELDOUT_FILE)
         raise DatasetError(
-            f"data.dataset={cfg.dataset!r}: unknown built-in dataset; "
-            "use builtin://counting, builtin://math or a JSONL file path"
+            f"data.dataset={cfg.dataset!r}: unknown built-in dataset; use builtin://counting, "
+            "builtin://math, builtin://math-heldout or a JSONL file path"
         )
     return load_jsonl(cfg.dataset, cfg)
