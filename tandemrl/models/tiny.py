@@ -124,8 +124,9 @@ MATRIX_SHAPE: dict[str, Any] = {
     "hidden_size": 64,
     "intermediate_size": 128,
     "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
+    # Heads of 32 dimensions: vLLM's CPU attention has no kernel for 16.
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
     "max_position_embeddings": 256,
     # Ten times transformers' default: next-token distributions far from uniform (entropy
     # about 3.4 nats of 4.5), so a logprob taken at the wrong position or under the wrong
@@ -182,16 +183,16 @@ TINY_PRESETS: dict[str, TinyPreset] = {
             # Qwen2.5-shaped: QKV biases, tied embeddings.
             "qwen2.5": ("qwen2", {"tie_word_embeddings": True}, CHATML),
             # Qwen3: per-head RMSNorm of queries and keys, explicit head_dim.
-            "qwen3": ("qwen3", {"head_dim": 16, "tie_word_embeddings": True}, CHATML),
+            "qwen3": ("qwen3", {"head_dim": 32, "tie_word_embeddings": True}, CHATML),
             # Mistral v0.3-shaped: no sliding window, untied.
-            "mistral": ("mistral", {"sliding_window": None, "head_dim": 16}, MISTRAL),
+            "mistral": ("mistral", {"sliding_window": None, "head_dim": 32}, MISTRAL),
             # Gemma 3 (text): a sliding-window layer then a global one, the window shorter
             # than the test sequences; tanh-GELU MLP, (1 + w) norms, scaled embeddings.
             "gemma3": (
                 "gemma3_text",
                 {
-                    "head_dim": 16,
-                    "query_pre_attn_scalar": 16,
+                    "head_dim": 32,
+                    "query_pre_attn_scalar": 32,
                     "sliding_window": 8,
                     "layer_types": ["sliding_attention", "full_attention"],
                     "tie_word_embeddings": True,
@@ -207,7 +208,7 @@ TINY_PRESETS: dict[str, TinyPreset] = {
             "qwen3-moe": (
                 "qwen3_moe",
                 {
-                    "head_dim": 16,
+                    "head_dim": 32,
                     "num_experts": 4,
                     "num_experts_per_tok": 2,
                     "moe_intermediate_size": 64,
