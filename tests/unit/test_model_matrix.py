@@ -217,7 +217,9 @@ def test_trainer_padded_and_packed_match_the_plain_forward(family: str, model_di
     assert packed_metrics["loss"] == pytest.approx(padded_metrics["loss"], rel=1e-4)
     assert packed_grads.keys() == padded_grads.keys()
     for name, gradient in padded_grads.items():
-        torch.testing.assert_close(packed_grads[name], gradient, atol=1e-6, rtol=1e-4, msg=name)
+        # The same sums in another order: equal up to float32 rounding of the whole tensor.
+        error = (packed_grads[name] - gradient).norm() / gradient.norm().clamp(min=1e-12)
+        assert error < 5e-5, (name, float(error))
 
 
 def test_weight_sync_and_checkpoint_round_trip(
