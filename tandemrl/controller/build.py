@@ -147,6 +147,7 @@ def build_controller(
             temperature=generation_cfg.temperature,
             top_p=generation_cfg.top_p,
             stop_token_ids=stop_ids,
+            max_total_tokens=cfg.policy.max_total_sequence_length,
         ),
         group_size=algo.num_generations_per_prompt,
         failure_cfg=failure,

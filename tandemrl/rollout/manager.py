@@ -79,6 +79,9 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
+    # policy.max_total_sequence_length: a completion stops where prompt + completion reach it
+    # (None: no limit beyond max_new_tokens).
+    max_total_tokens: int | None = None
 
 
 class GroupAborted(Exception):
@@ -210,13 +213,36 @@ class RolloutManager:
 
     # ------------------------------------------------------------------ generation
 
+    def _completion_budget(self, group: UnfinishedGroup, prompt_ids: list[int]) -> int:
+        """``max_new_tokens``, cut so that prompt + completion fit the trainer's
+        ``policy.max_total_sequence_length``; a prompt that leaves no room is dropped."""
+        limit = self.sampling.max_total_tokens
+        if limit is None:
+            return self.sampling.max_new_tokens
+        room = limit - len(prompt_ids)
+        if room < 1:
+            failure = DataFailure(
+                f"prompt {group.item.prompt_id} is {len(prompt_ids)} tokens as the model sees it "
+                f"(data.prompt_format, chat template included), which leaves no room for a "
+                f"completion within policy.max_total_sequence_length={limit}; raise it or "
+                "shorten the prompt"
+            )
+            record = self._record(group, None, 1, FailureKind.DATA, failure)
+            raise RolloutDropped(group.group_id, record) from failure
+        return min(self.sampling.max_new_tokens, room)
+
     def _requests(
-        self, group: UnfinishedGroup, siblings: list[int], attempt: int, prompt_ids: list[int]
+        self,
+        group: UnfinishedGroup,
+        siblings: list[int],
+        attempt: int,
+        prompt_ids: list[int],
+        max_new_tokens: int,
     ) -> list[GenerationRequest]:
         """One request per sibling; its seed is crc32("{seed}|{group_id}|{sibling}|{attempt}")."""
         group_id = group.group_id
         sampling = self.sampling
-        max_new_tokens, temperature = sampling.max_new_tokens, sampling.temperature
+        temperature = sampling.temperature
         top_p, stop_token_ids = sampling.top_p, sampling.stop_token_ids
         # crc32 continues from a running value, so the shared prefix is hashed once per call.
         prefix_crc = zlib.crc32(f"{self.seed}|{group_id}|".encode())
@@ -242,6 +268,7 @@ class RolloutManager:
 
     async def _generate_all_siblings(self, group: UnfinishedGroup) -> None:
         prompt_ids = self.codec.encode_prompt(group.item)
+        max_new_tokens = self._completion_budget(group, prompt_ids)
         infra_retries = 0
         data_retries: dict[int, int] = {}
         attempt = 0
@@ -249,7 +276,7 @@ class RolloutManager:
         while len(group.staged) < self.group_size:
             pending = [i for i in range(self.group_size) if i not in group.staged]
             attempt += 1
-            requests = self._requests(group, pending, attempt, prompt_ids)
+            requests = self._requests(group, pending, attempt, prompt_ids, max_new_tokens)
             self.active_requests[group.group_id] = requests
             try:
                 if self.failure_cfg.rollout_timeout_s is None:  # one coroutine level less
