@@ -31,6 +31,7 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NoReturn
 
 from tandemrl.config.models import RolloutFailureConfig
 from tandemrl.controller.barrier import CheckpointBarrier
@@ -213,23 +214,37 @@ class RolloutManager:
 
     # ------------------------------------------------------------------ generation
 
+    def _prompt_ids(self, group: UnfinishedGroup) -> list[int]:
+        """The group's prompt as token ids (``data.prompt_format``); a prompt that cannot be
+        rendered (a chat template refusing its conversation) drops the group, no retry."""
+        try:
+            return self.codec.encode_prompt(group.item)
+        except Exception as exc:  # the template or codec is user data too
+            self._drop_unretryable(group, DataFailure(f"prompt {group.item.prompt_id}: {exc}"))
+
     def _completion_budget(self, group: UnfinishedGroup, prompt_ids: list[int]) -> int:
         """``max_new_tokens``, cut so that prompt + completion fit the trainer's
-        ``policy.max_total_sequence_length``; a prompt that leaves no room is dropped."""
+        ``policy.max_total_sequence_length``; a prompt that leaves no room drops the group."""
         limit = self.sampling.max_total_tokens
         if limit is None:
             return self.sampling.max_new_tokens
         room = limit - len(prompt_ids)
         if room < 1:
-            failure = DataFailure(
-                f"prompt {group.item.prompt_id} is {len(prompt_ids)} tokens as the model sees it "
-                f"(data.prompt_format, chat template included), which leaves no room for a "
-                f"completion within policy.max_total_sequence_length={limit}; raise it or "
-                "shorten the prompt"
+            self._drop_unretryable(
+                group,
+                DataFailure(
+                    f"prompt {group.item.prompt_id} is {len(prompt_ids)} tokens as the model "
+                    "sees it (data.prompt_format, chat template included), which leaves no room "
+                    f"for a completion within policy.max_total_sequence_length={limit}; raise it "
+                    "or shorten the prompt"
+                ),
             )
-            record = self._record(group, None, 1, FailureKind.DATA, failure)
-            raise RolloutDropped(group.group_id, record) from failure
         return min(self.sampling.max_new_tokens, room)
+
+    def _drop_unretryable(self, group: UnfinishedGroup, failure: DataFailure) -> NoReturn:
+        """Charge ``failure`` to the group and drop it: trying again would fail the same way."""
+        record = self._record(group, None, 1, FailureKind.DATA, failure)
+        raise RolloutDropped(group.group_id, record) from failure
 
     def _requests(
         self,
@@ -267,7 +282,7 @@ class RolloutManager:
         return requests
 
     async def _generate_all_siblings(self, group: UnfinishedGroup) -> None:
-        prompt_ids = self.codec.encode_prompt(group.item)
+        prompt_ids = self._prompt_ids(group)
         max_new_tokens = self._completion_budget(group, prompt_ids)
         infra_retries = 0
         data_retries: dict[int, int] = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import zlib
 
 import pytest
@@ -100,3 +101,17 @@ def test_completions_are_cut_to_fit_max_total_sequence_length() -> None:
         manager._completion_budget(group, [5] * 10)
     assert "policy.max_total_sequence_length=10" in dropped.value.record.cause
     assert dropped.value.record.kind is FailureKind.DATA
+
+
+def test_a_prompt_the_codec_cannot_render_drops_its_group_with_the_reason() -> None:
+    manager, item = make_manager()
+    group = manager.reserve(item, start_weight=0, target_step=0)
+
+    def refuse(prompt_item):
+        raise ValueError("Conversation roles must alternate user/assistant/user/assistant")
+
+    manager.codec = dataclasses.replace(manager.codec, render_prompt=refuse)
+    with pytest.raises(RolloutDropped) as dropped:
+        manager._prompt_ids(group)
+    assert "roles must alternate" in dropped.value.record.cause
+    assert item.prompt_id in dropped.value.record.cause
