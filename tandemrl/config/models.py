@@ -80,9 +80,9 @@ class VllmConfig(Strict):
 class TorchGenerationConfig(Strict):
     """The in-process torch engine (backend torch); see tandemrl/generation/torch_engine.py."""
 
-    # Static-cache decode (CUDA graphs on CUDA): "auto" for Qwen2/Llama-family models (on CPU
-    # only while the preallocated cache fits in 256 MiB; the step then runs eagerly), "on"
-    # (refused for other models), "off" (the transformers DynamicCache batch).
+    # Static-cache decode (CUDA graphs on CUDA): "auto" for Llama/Qwen2/Qwen3/Mistral/Phi-3
+    # models (on CPU only while the preallocated cache fits in 256 MiB; the step then runs
+    # eagerly), "on" (refused for other models), "off" (the transformers DynamicCache batch).
     cuda_graphs: Switch = "auto"
     # torch.compile the static step's fused elementwise work (CUDA only).
     compile: bool = True
@@ -436,6 +436,15 @@ class DataConfig(Strict):
     num_prompts: int = Field(4096, ge=1)
     shuffle: bool = True
     seed: int = 0
+    # How a prompt reaches the model (tandemrl/data/prompt_format.py): "raw", its text as it
+    # is; "chat", rendered by the tokenizer's chat template (add_generation_prompt) as a user
+    # message, or the row's messages_key conversation.
+    prompt_format: Literal["raw", "chat"] = "raw"
+    # chat only: a system message put before every conversation that has none of its own.
+    system_prompt: str | None = None
+    # chat only: the JSONL field that may hold a whole conversation, a list of
+    # {"role": ..., "content": ...}; a row with it needs no prompt_key field.
+    messages_key: str = "messages"
 
 
 class EnvConfig(Strict):

@@ -70,6 +70,7 @@ class _Checker:
         self.check_rollout_recovery()
         self.check_task()
         self.check_env()
+        self.check_prompt_format()
 
     # ------------------------------------------------------------------ sampler class
 
@@ -571,6 +572,31 @@ class _Checker:
         for index, entry in enumerate(env.python_path):
             if not entry.strip():
                 self.error(f"env.python_path[{index}]: empty; give a directory")
+
+    # ------------------------------------------------------------------ prompts
+
+    def check_prompt_format(self) -> None:
+        data, policy = self.cfg.data, self.cfg.policy
+        if data.prompt_format != "chat":
+            for key in ("system_prompt", "messages_key"):
+                if key in data.model_fields_set:
+                    self.error(
+                        f"data.{key}: applies to data.prompt_format: chat only (it is "
+                        f"{data.prompt_format!r}); set data.prompt_format: chat or remove it"
+                    )
+            return
+        # Imported lazily: the data package imports this config package.
+        from tandemrl.data.prompt_format import chat_template_problem
+
+        problem = chat_template_problem(policy.model_name, policy.tokenizer.name)
+        if problem == "":
+            source = policy.tokenizer.name or policy.model_name
+            self.warn(
+                f"data.prompt_format: chat — the tokenizer folder {source!r} does not exist on "
+                "this machine, so its chat template is checked only when the run starts"
+            )
+        elif problem is not None:
+            self.error(problem)
 
 
 def _excluded_path_problem(path: Any) -> str:

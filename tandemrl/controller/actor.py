@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,14 +33,48 @@ from tandemrl.controller.ray_proxy import ActorProxy
 from tandemrl.controller.single_controller import SingleController
 from tandemrl.controller.weight_sync import RayObjectStoreWeightSync, WeightSynchronizer
 from tandemrl.controller.weight_sync_cuda import CudaIpcWeightSync, NcclWeightSync
+from tandemrl.data.prompt_format import PromptRenderer
 from tandemrl.envs import create_environment
 from tandemrl.metrics.logger import MetricsLogger
-from tandemrl.models import load_tokenizer
+from tandemrl.models import load_tokenizer, resolve_tokenizer_path, special_tokens
+from tandemrl.records import PromptItem
 from tandemrl.rollout.generation_pool import GenerationPool
 from tandemrl.rollout.manager import TextCodec
 
 
-def text_codec(tokenizer: Any) -> TextCodec:
+def run_text_codec(cfg: MasterConfig, model_path: str) -> TextCodec:
+    """The run's codec: its tokenizer (``policy.tokenizer.name``, else the model folder's),
+    prompts rendered in ``data.prompt_format``, and every stop id of the model folder and of
+    ``policy.generation`` (``tandemrl.models.special_tokens``)."""
+    tokenizer_path = resolve_tokenizer_path(cfg.policy.tokenizer.name, model_path)
+    tokenizer = load_tokenizer(tokenizer_path)
+    data, generation = cfg.data, cfg.policy.generation
+    renderer = PromptRenderer(
+        tokenizer,
+        prompt_format=data.prompt_format,
+        system_prompt=data.system_prompt,
+        messages_key=data.messages_key,
+    )
+    return text_codec(
+        tokenizer,
+        render_prompt=renderer.text if data.prompt_format != "raw" else None,
+        stop_token_ids=special_tokens.stop_token_ids(
+            tokenizer,
+            model_path,
+            extra_ids=generation.stop_token_ids,
+            stop_strings=generation.stop_strings,
+        ),
+        pad_token_id=special_tokens.pad_token_id(tokenizer, model_path),
+    )
+
+
+def text_codec(
+    tokenizer: Any,
+    *,
+    render_prompt: Callable[[PromptItem], str] | None = None,
+    stop_token_ids: tuple[int, ...] = (),
+    pad_token_id: int | None = None,
+) -> TextCodec:
     """Prompt text -> ids and completion ids -> text for the rollout manager.
 
     The controller encodes every prompt and decodes every completion (128 per step on the
@@ -48,7 +83,9 @@ def text_codec(tokenizer: Any) -> TextCodec:
     handling (about a tenth of the controller's CPU). ``_backend_is_exact`` lists when that
     gives the very same ids and strings; otherwise the wrapper is called.
     """
-    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    if pad_token_id is None:
+        pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    extras = {"render_prompt": render_prompt, "stop_token_ids": tuple(stop_token_ids)}
     if _backend_is_exact(tokenizer):
         backend = tokenizer.backend_tokenizer
         return TextCodec(
@@ -56,12 +93,14 @@ def text_codec(tokenizer: Any) -> TextCodec:
             decode=lambda ids: backend.decode(ids, skip_special_tokens=True),
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=pad_token_id,
+            **extras,
         )
     return TextCodec(
         encode=lambda text: tokenizer.encode(text, add_special_tokens=False),
         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=pad_token_id,
+        **extras,
     )
 
 
@@ -147,7 +186,7 @@ class SingleControllerActor:
             trainer=ActorProxy(self.trainer_handle),
             engines=engines,
             env=create_environment(self.cfg.env),
-            codec=text_codec(load_tokenizer(self.model_path)),
+            codec=run_text_codec(self.cfg, self.model_path),
             weight_sync=lambda pool: make_weight_sync(
                 self.weight_sync,
                 self.trainer_handle,

@@ -140,9 +140,10 @@ def build_controller(
     )
     barrier = CheckpointBarrier()
     generation_cfg = cfg.policy.generation
-    stop_ids = tuple(generation_cfg.stop_token_ids)
-    if parts.codec.eos_token_id is not None and parts.codec.eos_token_id not in stop_ids:
-        stop_ids = (*stop_ids, parts.codec.eos_token_id)
+    eos = () if parts.codec.eos_token_id is None else (parts.codec.eos_token_id,)
+    stop_ids = tuple(
+        dict.fromkeys((*generation_cfg.stop_token_ids, *eos, *parts.codec.stop_token_ids))
+    )
     manager = RolloutManager(
         buffer=buffer,
         data_plane=data_plane,
@@ -154,6 +155,7 @@ def build_controller(
             temperature=generation_cfg.temperature,
             top_p=generation_cfg.top_p,
             stop_token_ids=stop_ids,
+            max_total_tokens=cfg.policy.max_total_sequence_length,
         ),
         group_size=algo.num_generations_per_prompt,
         failure_cfg=failure,

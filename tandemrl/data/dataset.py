@@ -5,12 +5,17 @@ Sources (``data.dataset``):
 
 - a JSONL file: one JSON object per line; ``data.prompt_key`` and ``data.answer_key`` are
   required, ``data.task_source_key`` and ``data.agent_ref_key`` optional; any other field is
-  kept in the record's metadata. Blank lines are skipped; any bad line is an error that names
-  the file, the line number and the field.
+  kept in the record's metadata. With ``data.prompt_format: chat`` a row may give a whole
+  conversation in ``data.messages_key`` instead of a prompt (kept in the metadata; the record's
+  prompt is then its last user message). Blank lines are skipped; any bad line is an error that
+  names the file, the line number and the field.
 - ``builtin://counting``: ``data.num_prompts`` prompts of three random digits and ``=``
   (``583=`` → ``456``), drawn from ``random.Random(data.seed)`` so every run gets the same list.
 - ``builtin://math``: the bundled ``math_small.jsonl`` (arithmetic such as ``12+7=``); its
   size is fixed, so ``data.num_prompts`` does not apply to it.
+- ``builtin://math-heldout``: 200 more problems of the same kinds, none of them in
+  ``builtin://math`` (``math_heldout.jsonl``), for measuring accuracy on problems a run did
+  not train on.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from tandemrl.config.models import DataConfig
+from tandemrl.data.prompt_format import check_messages, last_user_content
 from tandemrl.envs.counting import continue_count
 
 BUILTIN_PREFIX = "builtin://"
@@ -31,6 +37,7 @@ BUILTIN_PREFIX = "builtin://"
 DEFAULT_DATASET = "builtin://counting"
 COUNTING_PROMPT_DIGITS = 3
 MATH_SMALL_FILE = "math_small.jsonl"
+MATH_HELDOUT_FILE = "math_heldout.jsonl"
 
 
 class DatasetError(ValueError):
@@ -95,12 +102,19 @@ def parse_jsonl_line(line: str, cfg: DataConfig, where: str) -> PromptRecord:
         raise DatasetError(f"{where}: invalid JSON: {error.msg} (column {error.colno})") from error
     if not isinstance(row, dict):
         raise DatasetError(f"{where}: expected a JSON object, got {type(row).__name__}")
-    for key, dotpath in ((cfg.prompt_key, "data.prompt_key"), (cfg.answer_key, "data.answer_key")):
+    conversation = _conversation(row, cfg, where)
+    required = [(cfg.answer_key, "data.answer_key")]
+    if conversation is None:
+        required.insert(0, (cfg.prompt_key, "data.prompt_key"))
+    for key, dotpath in required:
         if key not in row:
             raise DatasetError(
                 f"{where}: missing field {key!r} ({dotpath}); fields present: {sorted(row)}"
             )
-    prompt = row[cfg.prompt_key]
+    if conversation is not None and cfg.prompt_key not in row:
+        prompt = last_user_content(conversation)
+    else:
+        prompt = row[cfg.prompt_key]
     if not isinstance(prompt, str) or not prompt:
         raise DatasetError(
             f"{where}: field {cfg.prompt_key!r} (data.prompt_key) must be a non-empty string, "
@@ -114,6 +128,26 @@ def parse_jsonl_line(line: str, cfg: DataConfig, where: str) -> PromptRecord:
         agent_ref=_optional_string(row, cfg.agent_ref_key, where, "data.agent_ref_key"),
         metadata={key: value for key, value in row.items() if key not in mapped},
     )
+
+
+def _conversation(row: dict[str, Any], cfg: DataConfig, where: str) -> list[Any] | None:
+    """The row's ``data.messages_key`` conversation, checked; None when it has none."""
+    if cfg.messages_key not in row:
+        return None
+    if cfg.prompt_format != "chat":
+        if cfg.prompt_key in row:
+            return None  # a raw run reads the prompt; the field stays in the metadata
+        raise DatasetError(
+            f"{where}: field {cfg.messages_key!r} (data.messages_key) holds a conversation, "
+            f"which only data.prompt_format: chat renders, and the row has no "
+            f"{cfg.prompt_key!r} (data.prompt_key); set data.prompt_format: chat"
+        )
+    try:
+        return check_messages(row[cfg.messages_key])
+    except ValueError as error:
+        raise DatasetError(
+            f"{where}: field {cfg.messages_key!r} (data.messages_key) {error}"
+        ) from error
 
 
 def parse_jsonl_text(text: str, cfg: DataConfig, source: str) -> list[PromptRecord]:
@@ -133,10 +167,10 @@ def load_jsonl(path: str | Path, cfg: DataConfig) -> list[PromptRecord]:
     return parse_jsonl_text(path.read_text(encoding="utf-8"), cfg, str(path))
 
 
-def _load_math_small() -> list[PromptRecord]:
-    # The bundled file uses the default field names whatever data.*_key say.
-    text = resources.files("tandemrl.data").joinpath(MATH_SMALL_FILE).read_text(encoding="utf-8")
-    return parse_jsonl_text(text, DataConfig(), f"{BUILTIN_PREFIX}math ({MATH_SMALL_FILE})")
+def _load_bundled(name: str, file_name: str) -> list[PromptRecord]:
+    # The bundled files use the default field names whatever data.*_key say.
+    text = resources.files("tandemrl.data").joinpath(file_name).read_text(encoding="utf-8")
+    return parse_jsonl_text(text, DataConfig(), f"{BUILTIN_PREFIX}{name} ({file_name})")
 
 
 def load_prompt_records(cfg: DataConfig) -> list[PromptRecord]:
@@ -147,9 +181,11 @@ def load_prompt_records(cfg: DataConfig) -> list[PromptRecord]:
         if name == "counting":
             return generate_counting_records(cfg.num_prompts, cfg.seed)
         if name == "math":
-            return _load_math_small()
+            return _load_bundled(name, MATH_SMALL_FILE)
+        if name == "math-heldout":
+            return _load_bundled(name, MATH_HELDOUT_FILE)
         raise DatasetError(
-            f"data.dataset={source!r}: unknown built-in dataset; "
-            "use builtin://counting, builtin://math or a JSONL file path"
+            f"data.dataset={source!r}: unknown built-in dataset; use builtin://counting, "
+            "builtin://math, builtin://math-heldout or a JSONL file path"
         )
     return load_jsonl(source, cfg)

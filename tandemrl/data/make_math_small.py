@@ -1,7 +1,11 @@
-"""Writes the bundled ``math_small.jsonl`` (``python -m tandemrl.data.make_math_small``).
+"""Writes the bundled ``math_small.jsonl`` and ``math_heldout.jsonl``
+(``python -m tandemrl.data.make_math_small``).
 
-Deterministic: the same seed writes the same file byte for byte. The problems are
-word-free arithmetic (``12+7=``) with integer, decimal and simple-fraction answers.
+Deterministic: the same seed writes the same files byte for byte. The problems are
+word-free arithmetic (``12+7=``) with integer, decimal and simple-fraction answers. The
+held-out file (``builtin://math-heldout``) is drawn the same way from another seed and holds
+no prompt of the training file: accuracy on it measures what a run learned beyond the
+problems it trained on.
 """
 
 from __future__ import annotations
@@ -12,8 +16,10 @@ from fractions import Fraction
 from pathlib import Path
 
 SEED = 20261130
+HELDOUT_SEED = 20261201
 NUM_PROBLEMS = 200
 OUTPUT = Path(__file__).with_name("math_small.jsonl")
+HELDOUT_OUTPUT = Path(__file__).with_name("math_heldout.jsonl")
 
 
 def _fraction_text(value: Fraction) -> str:
@@ -48,10 +54,13 @@ def make_problem(rng: random.Random) -> dict[str, object]:
     }
 
 
-def make_problems(seed: int = SEED, count: int = NUM_PROBLEMS) -> list[dict[str, object]]:
+def make_problems(
+    seed: int = SEED, count: int = NUM_PROBLEMS, exclude: set[str] | None = None
+) -> list[dict[str, object]]:
+    """``count`` distinct problems; none whose prompt is in ``exclude``."""
     rng = random.Random(seed)
     problems: list[dict[str, object]] = []
-    seen: set[str] = set()
+    seen: set[str] = set(exclude or ())
     while len(problems) < count:
         problem = make_problem(rng)
         if problem["prompt"] not in seen:
@@ -60,10 +69,17 @@ def make_problems(seed: int = SEED, count: int = NUM_PROBLEMS) -> list[dict[str,
     return problems
 
 
+def write(path: Path, problems: list[dict[str, object]]) -> None:
+    lines = [json.dumps(problem, sort_keys=True) for problem in problems]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    print(f"wrote {len(lines)} problems to {path}")
+
+
 def main() -> None:
-    lines = [json.dumps(problem, sort_keys=True) for problem in make_problems()]
-    OUTPUT.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    print(f"wrote {len(lines)} problems to {OUTPUT}")
+    training = make_problems()
+    write(OUTPUT, training)
+    prompts = {str(problem["prompt"]) for problem in training}
+    write(HELDOUT_OUTPUT, make_problems(HELDOUT_SEED, exclude=prompts))
 
 
 if __name__ == "__main__":

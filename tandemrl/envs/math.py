@@ -1,17 +1,21 @@
 """A verifiable math environment: extract the final answer, compare it numerically.
 
-Extraction, most explicit marker first (the first rule that finds a number wins):
+Extraction, most explicit marker first (the first rule that finds a number wins), so that a
+chat model's free-form reply is read the way a person would read it:
 
-1. the last ``\\boxed{...}``;
-2. the text after the last ``answer:`` (any case);
-3. the text after the last ``=``;
-4. the last number anywhere in the completion.
+1. the last ``\\boxed{...}`` (nested braces allowed: ``\\boxed{\\frac{4}{3}}``);
+2. the text after the last answer marker: ``answer:``, ``answer is``, ``answer =`` (any case,
+   ``The final answer is 42.``, ``**Answer:** 42``);
+3. the last markdown-bold span holding a number (``so it is **67**.``);
+4. the text after the last ``=``;
+5. the last number anywhere in the completion.
 
-For rules 1-3 the first number in the marked text is the answer. A number is an integer, a
-decimal or a simple fraction (``-12``, ``3.75``, ``1,024``, ``3/4``). The reward is 1.0 when
-``|answer - target| <= abs_tol + rel_tol * |target|`` and 0.0 otherwise; a completion with
-no number is flagged ``malformed`` in the metadata (reward 0.0). A target that is not a
-number is a dataset error and raises.
+For rules 1-4 the first number in the marked text is the answer. A number is an integer, a
+decimal or a simple fraction (``-12``, ``3.75``, ``1,024``, ``3/4``); before searching, LaTeX
+fractions (``\\frac{3}{4}``, ``\\dfrac``, ``\\tfrac``) read as ``3/4`` and a Unicode minus
+sign as ``-``. The reward is 1.0 when ``|answer - target| <= abs_tol + rel_tol * |target|``
+and 0.0 otherwise; a completion with no number is flagged ``malformed`` in the metadata
+(reward 0.0). A target that is not a number is a dataset error and raises.
 """
 
 from __future__ import annotations
@@ -25,8 +29,11 @@ from tandemrl.records import EnvResult, PromptItem
 
 _NUMBER = r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*[-+]?\d+(?:\.\d+)?)?|[-+]?\.\d+"
 _NUMBER_RE = re.compile(_NUMBER)
-_BOXED_RE = re.compile(r"\\boxed\s*\{([^{}]*)\}")
-_ANSWER_MARKER_RE = re.compile(r"answer\s*(?:is)?\s*:", re.IGNORECASE)
+_BOXED_RE = re.compile(r"\\boxed\s*\{")
+_ANSWER_MARKER_RE = re.compile(r"\banswer\b\W{0,3}?\s*(?:is\b\s*:?|:|=)", re.IGNORECASE)
+_BOLD_RE = re.compile(r"\*\*([^*]+)\*\*")
+_LATEX_FRACTION_RE = re.compile(r"\\[dt]?frac\s*\{\s*([^{}]*?)\s*\}\s*\{\s*([^{}]*?)\s*\}")
+_MINUS_SIGNS = str.maketrans({"\u2212": "-", "\u2013": "-"})
 
 DEFAULT_ABS_TOL = 1e-6
 DEFAULT_REL_TOL = 1e-6
@@ -49,25 +56,49 @@ def _first_number(text: str) -> str | None:
     return match.group(0) if match else None
 
 
+def _boxed_contents(text: str) -> list[str]:
+    """The contents of every ``\\boxed{...}``, braces matched (nested ones included)."""
+    contents = []
+    for match in _BOXED_RE.finditer(text):
+        depth, start = 1, match.end()
+        for position in range(start, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[position], 0)
+            if depth == 0:
+                contents.append(text[start:position])
+                break
+    return contents
+
+
+def _normalise(completion: str) -> str:
+    text = completion.translate(_MINUS_SIGNS)
+    return _LATEX_FRACTION_RE.sub(r"\1/\2", text)
+
+
 def extract_answer(completion: str) -> tuple[str | None, str]:
-    """The answer text and the rule that found it (``boxed``, ``answer``, ``equals``, ``last``).
+    """The answer text and the rule that found it (``boxed``, ``answer``, ``bold``,
+    ``equals``, ``last``).
 
     Returns ``(None, reason)`` when the completion holds no number where one was expected.
     """
-    boxed = _BOXED_RE.findall(completion)
+    text = _normalise(completion)
+    boxed = _boxed_contents(text)
     if boxed:
         number = _first_number(boxed[-1])
         return (number, "boxed") if number is not None else (None, "empty_boxed")
-    markers = list(_ANSWER_MARKER_RE.finditer(completion))
+    markers = list(_ANSWER_MARKER_RE.finditer(text))
     if markers:
-        number = _first_number(completion[markers[-1].end() :])
+        number = _first_number(text[markers[-1].end() :])
         if number is not None:
             return number, "answer"
-    if "=" in completion:
-        number = _first_number(completion.rsplit("=", 1)[1])
+    for span in reversed(_BOLD_RE.findall(text)):
+        number = _first_number(span)
+        if number is not None:
+            return number, "bold"
+    if "=" in text:
+        number = _first_number(text.rsplit("=", 1)[1])
         if number is not None:
             return number, "equals"
-    numbers = _NUMBER_RE.findall(completion)
+    numbers = _NUMBER_RE.findall(text)
     if numbers:
         return numbers[-1], "last"
     return None, "no_number"

@@ -1,4 +1,11 @@
-"""Static-cache decode for Qwen2/Llama-family models: fixed row slots, steps as graph replays.
+"""Static-cache decode for Llama-family models: fixed row slots, steps as graph replays.
+
+Families (``unsupported_reason`` refuses anything else, naming what it lacks): Llama (default
+or Llama 3 rotary scaling), Qwen2/2.5, Qwen3 (queries and keys RMS-normalised per head before
+the rotary embedding), Mistral without a sliding window, Phi-3 (its projections come fused
+already). Gemma, mixture-of-experts models and anything with sliding-window layers, another
+activation or a partial rotary embedding decode through transformers' cache instead (the torch
+engine falls back with a log line, or refuses ``cuda_graphs: on``).
 
 What it owns: a KV cache of shape ``[layers, 2, slots, kv_heads, max_len, head_dim]`` (keys and
 values), the per-slot decode state (the token to feed, its position, sampling parameters) and a
@@ -49,7 +56,9 @@ import torch.nn.functional as F
 from tandemrl.generation import decode_sampler
 from tandemrl.generation.decode_attention import decode_attention, rotate_half
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral", "phi3")
+# Rotary embeddings whose frequencies are fixed at load time (the step reads them once).
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
 # Smallest graph buckets: fewer, larger graphs; a step never attends fewer cache positions.
 MIN_ROWS_BUCKET = 8
 MIN_LENGTH_BUCKET = 64
@@ -108,11 +117,17 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
         return f"model_type {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        return f"rope_type {rope_type!r} (only the default rotary embedding)"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        return f"rope_type {rope_type!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    if rotary is None or 2 * rotary.inv_freq.numel() != head_dim:
+        return "a partial rotary embedding (only every dimension of the head rotated)"
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"hidden_act {config.hidden_act!r} (only silu)"
-    if getattr(config, "use_sliding_window", False):
+    if getattr(config, "use_sliding_window", False) or (
+        model_type in ("mistral", "phi3") and getattr(config, "sliding_window", None) is not None
+    ):
         return "sliding-window attention"
     layer_types = getattr(config, "layer_types", None) or []
     if any(kind != "full_attention" for kind in layer_types):
@@ -129,6 +144,9 @@ class LayerWeights:
     input_norm: torch.Tensor
     qkv_weight: torch.Tensor
     qkv_bias: torch.Tensor | None
+    # Qwen3: per-head RMSNorm weights of the queries and keys (before the rotary embedding).
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
     o_weight: torch.Tensor
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor
@@ -185,13 +203,24 @@ def fuse_projections(model: torch.nn.Module) -> list[LayerWeights]:
     layers = []
     for layer in model.model.layers:
         attention, mlp = layer.self_attn, layer.mlp
-        qkv_weight, qkv_bias = _fuse_linears([attention.q_proj, attention.k_proj, attention.v_proj])
-        gate_up_weight, _ = _fuse_linears([mlp.gate_proj, mlp.up_proj])
+        if hasattr(attention, "qkv_proj"):  # Phi-3: fused in the checkpoint, q | k | v rows
+            qkv_weight, qkv_bias = attention.qkv_proj.weight, attention.qkv_proj.bias
+        else:
+            qkv_weight, qkv_bias = _fuse_linears(
+                [attention.q_proj, attention.k_proj, attention.v_proj]
+            )
+        if hasattr(mlp, "gate_up_proj"):  # Phi-3: gate | up rows, as the fused layout here
+            gate_up_weight = mlp.gate_up_proj.weight
+        else:
+            gate_up_weight, _ = _fuse_linears([mlp.gate_proj, mlp.up_proj])
+        q_norm, k_norm = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
         layers.append(
             LayerWeights(
                 input_norm=layer.input_layernorm.weight,
                 qkv_weight=qkv_weight,
                 qkv_bias=qkv_bias,
+                q_norm=q_norm.weight if q_norm is not None else None,
+                k_norm=k_norm.weight if k_norm is not None else None,
                 o_weight=attention.o_proj.weight,
                 o_bias=attention.o_proj.bias,
                 post_norm=layer.post_attention_layernorm.weight,
@@ -464,6 +493,8 @@ class StaticDecoder:
                 weights.input_norm,
                 weights.qkv_weight,
                 weights.qkv_bias,
+                weights.q_norm,
+                weights.k_norm,
                 cos,
                 sin,
                 self.cache[layer].view(-1, self.head_dim),
@@ -701,7 +732,13 @@ class StaticDecoder:
         (KV_WRITE_IN_ATTENTION)."""
         rows = hidden.shape[0]
         hidden, q, k, v = self._qkv(
-            hidden, delta, weights.input_norm, weights.qkv_weight, weights.qkv_bias
+            hidden,
+            delta,
+            weights.input_norm,
+            weights.qkv_weight,
+            weights.qkv_bias,
+            weights.q_norm,
+            weights.k_norm,
         )
         attended = decode_attention(
             q, self.keys[index], self.values[index], positions, length, self.scale,
@@ -737,6 +774,8 @@ class StaticDecoder:
             weights.input_norm,
             weights.qkv_weight,
             weights.qkv_bias,
+            weights.q_norm,
+            weights.k_norm,
             cos,
             sin,
             self.cache[index].view(-1, self.head_dim),
@@ -800,6 +839,8 @@ class StaticDecoder:
         norm: torch.Tensor,
         qkv_weight: torch.Tensor,
         qkv_bias: torch.Tensor | None,
+        q_norm: torch.Tensor | None,
+        k_norm: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         cache_rows: torch.Tensor,
@@ -810,7 +851,7 @@ class StaticDecoder:
         go into ``cache_rows`` (one layer's cache, flattened) at ``write_rows``, in the same
         kernel as the rotary embedding when compiled. ``rotate_q=False``: the queries are
         returned unrotated (the attention kernel rotates them)."""
-        hidden, q, k, v = self._qkv_eager(hidden, delta, norm, qkv_weight, qkv_bias)
+        hidden, q, k, v = self._qkv_eager(hidden, delta, norm, qkv_weight, qkv_bias, q_norm, k_norm)
         new_kv = torch.stack([self._rope(k, cos, sin), v]).reshape(-1, self.head_dim)
         cache_rows.index_copy_(0, write_rows, new_kv)
         return hidden, self._rope(q, cos, sin) if rotate_q else q
@@ -822,9 +863,12 @@ class StaticDecoder:
         norm: torch.Tensor,
         qkv_weight: torch.Tensor,
         qkv_bias: torch.Tensor | None,
+        q_norm: torch.Tensor | None = None,
+        k_norm: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Residual add, norm, QKV projection: the hidden state and the unrotated queries,
-        keys and values ([rows, heads or kv_heads, dim], views of one fused output)."""
+        keys and values ([rows, heads or kv_heads, dim], views of one fused output; with
+        ``q_norm``/``k_norm`` the queries and keys RMS-normalised per head)."""
         rows = hidden.shape[0]
         hidden = self._add_delta(hidden, delta)
         normed = self._rms_norm(hidden, norm)
@@ -837,6 +881,8 @@ class StaticDecoder:
         q = qkv[:, :q_size].reshape(rows, self.heads, self.head_dim)
         k = qkv[:, q_size : q_size + kv_size].reshape(rows, self.kv_heads, self.head_dim)
         v = qkv[:, q_size + kv_size :].reshape(rows, self.kv_heads, self.head_dim)
+        if q_norm is not None and k_norm is not None:
+            q, k = self._rms_norm(q, q_norm), self._rms_norm(k, k_norm)
         return hidden, q, k, v
 
     def _attention_out_mlp_eager(

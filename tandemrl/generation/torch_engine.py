@@ -47,8 +47,8 @@ Logprob convention (the trainer must reproduce it):
 
 Two decode paths, one contract:
 
-- *static* (``cuda_graphs="auto"`` for Qwen2/Llama-family models on CUDA, and on CPU when
-  the preallocated cache fits in ``CPU_STATIC_CACHE_BYTES``; or ``"on"``): the running batch lives in a fixed table of row slots over a static KV cache
+- *static* (``cuda_graphs="auto"`` for the families ``static_decode`` supports, on CUDA, and on
+  CPU when the preallocated cache fits in ``CPU_STATIC_CACHE_BYTES``; or ``"on"``): the running batch lives in a fixed table of row slots over a static KV cache
   (``static_decode.StaticDecoder``). Admission prefills the new prompts through the
   decoder's own layer code, which writes their keys/values straight into free slots (the lowest free first, so busy
   slots stay packed); retirement frees the slot. The decode step is captured as a CUDA graph
@@ -66,8 +66,9 @@ Two decode paths, one contract:
   and its result waits for that end. On the H200 (docs/benchmarks.md, session 9) 4 steps a
   launch made a full 256-row batch's steady step 1-2% faster and GRPO's async steps 4-10%
   slower (later results, later weight updates), so the default is 1.
-- *dynamic* (``"off"``, other architectures, CPU models whose static cache would be large):
-  the left-padded batch over a transformers ``DynamicCache`` described above.
+- *dynamic* (``"off"``, other architectures — logged once at start —, CPU models whose static
+  cache would be large): the left-padded batch over a transformers ``DynamicCache`` described
+  above.
 
 Determinism: a request with ``seed`` draws its uniforms from its own ``random.Random(seed)``,
 so its samples do not depend on which other requests share the batch (up to floating-point
@@ -750,6 +751,10 @@ class TorchGenerationEngine(GenerationBackend):
             input_ids=input_ids.to(self.device),
             attention_mask=mask,
             position_ids=positions,
+            # A cache of full-length layers, passed in: the model's own would keep only the
+            # last window of a sliding-window layer (Gemma), and the batch is merged, trimmed
+            # and masked column by column over the whole length.
+            past_key_values=DynamicCache(),
             use_cache=True,
             logits_to_keep=1,
         )
@@ -857,6 +862,11 @@ class TorchGenerationEngine(GenerationBackend):
                 )
             return True
         if reason is not None:
+            logger.info(
+                "torch engine: decoding through the transformers cache, not the static decode "
+                "path (policy.generation.torch.cuda_graphs=auto): it does not support %s",
+                reason,
+            )
             return False
         if self.device.type == "cuda":
             return True

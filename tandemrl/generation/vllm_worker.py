@@ -15,6 +15,14 @@ AMX CPUs) that copy keeps the old weights, and output mixes the new body with th
 silently; in float32 the oneDNN kernel reads the live tensor and the problem does not show.
 Re-running the head's post-load step after every reload rebuilds whatever the kernel holds
 from the current weight (cheap; harmless when untied or unpacked).
+
+Why the experts step (CPU only): a mixture-of-experts layer's CPU kernel prepacks the expert
+weights into its grouped-GEMM layout once, at load. A reload copies the new weights into that
+storage in checkpoint layout and does not prepack again (vLLM 0.32; the family of
+vllm-project/vllm#42821), so every later forward read unpacked data as packed: reloading the
+very weights a Qwen3-MoE engine started with moved its logprobs by up to 6 nats
+(tests/vllm/test_vllm_families.py). Re-running the experts' post-load step after the reload
+prepacks what was just loaded.
 """
 
 from __future__ import annotations
@@ -36,7 +44,21 @@ class TandemrlWorkerExtension:
         weights = safetensors_load(payload)
         self.reload_weights(weights_iterator=iter(weights.items()))  # type: ignore[attr-defined]
         self._tandemrl_refresh_lm_head()
+        self._tandemrl_repack_cpu_experts()
         return len(weights)
+
+    def _tandemrl_repack_cpu_experts(self) -> None:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return
+        model = self.model_runner.get_model()
+        with torch.inference_mode():
+            for module in model.modules():
+                kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+                experts = getattr(kernel, "fused_experts", None)
+                if experts is not None and hasattr(module, "w13_weight"):
+                    experts.process_weights_after_loading(module)
 
     def _tandemrl_refresh_lm_head(self) -> None:
         model = self.model_runner.get_model()

@@ -9,6 +9,7 @@ from tandemrl.models.tiny import (
     resolve_device,
     resolve_dtype,
     resolve_model_path,
+    resolve_tokenizer_path,
 )
 from tandemrl.models.tokenizer import CHAR_ALPHABET, build_char_tokenizer
 
@@ -23,4 +24,5 @@ __all__ = [
     "resolve_device",
     "resolve_dtype",
     "resolve_model_path",
+    "resolve_tokenizer_path",
 ]

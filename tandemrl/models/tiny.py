@@ -12,6 +12,15 @@
   restart after a crash sees either nothing or a complete folder.
 - anything else: a local folder that must exist and hold ``config.json``.
 
+Two kinds of preset. The task presets (``qwen2-counting``, the default model, and
+``llama-small``) read the built-in tasks as raw text. The architecture matrix
+(``llama3``, ``qwen2.5``, ``qwen3``, ``mistral``, ``gemma3``, ``phi3``, ``qwen3-moe``) holds one
+small model per family people post-train, each with its family's chat format
+(``chat_formats.py``): a larger character alphabet, the turn markers as special tokens, a chat
+template, and a generation config whose ``eos_token_id`` lists the end-of-turn token next to
+the tokenizer's ``<eos>`` (Mistral: the ``<eos>`` alone). ``docs/models.md`` lists what each
+family runs through.
+
 ``load_causal_lm`` and ``load_tokenizer`` go through the ordinary ``from_pretrained`` path, so
 a preset and a real checkpoint are loaded by the same code.
 """
@@ -29,16 +38,22 @@ from typing import Any
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
-    LlamaConfig,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
-    Qwen2Config,
 )
 
-from tandemrl.models.tokenizer import CHAR_ALPHABET, SPECIAL_TOKENS, build_char_tokenizer
+from tandemrl.models.chat_formats import CHATML, GEMMA, LLAMA3, MISTRAL, PHI3, ChatFormat
+from tandemrl.models.tokenizer import (
+    CHAR_ALPHABET,
+    CHAT_ALPHABET,
+    EOS_TOKEN,
+    SPECIAL_TOKENS,
+    build_char_tokenizer,
+)
 
 TINY_SCHEME = "tiny://"
 CACHE_ENV_VAR = "TANDEMRL_CACHE"
@@ -48,15 +63,37 @@ PRESET_MARKER = "tandemrl_preset.json"
 
 @dataclass(frozen=True)
 class TinyPreset:
-    """A random-init architecture: a transformers config class and its keyword arguments."""
+    """A random-init architecture: a transformers ``model_type`` and its config's keyword
+    arguments, the tokenizer's alphabet and, for a chat preset, its chat format."""
 
-    architecture: str  # "qwen2" or "llama"
+    architecture: str  # a transformers model_type: "qwen2", "llama", "gemma3_text", ...
     config_kwargs: dict[str, Any] = field(default_factory=dict)
     alphabet: str = CHAR_ALPHABET
     seed: int = 0
+    chat: ChatFormat | None = None
+
+    @property
+    def extra_special_tokens(self) -> tuple[str, ...]:
+        return self.chat.special_tokens if self.chat is not None else ()
+
+    def build_tokenizer(self) -> PreTrainedTokenizerBase:
+        tokenizer = build_char_tokenizer(self.alphabet, self.extra_special_tokens)
+        if self.chat is not None:
+            tokenizer.chat_template = self.chat.template
+        return tokenizer
 
     def vocab_size(self) -> int:
-        return len(SPECIAL_TOKENS) + len(self.alphabet)
+        return len(SPECIAL_TOKENS) + len(self.alphabet) + len(self.extra_special_tokens)
+
+    def generation_eos_token_ids(self) -> int | list[int]:
+        """``eos_token_id`` of the generation config: ``<eos>``, and a chat preset's
+        end-of-turn token first when it is another token."""
+        eos = SPECIAL_TOKENS.index(EOS_TOKEN)
+        if self.chat is None or self.chat.end_of_turn == EOS_TOKEN:
+            return eos
+        end_of_turn = len(SPECIAL_TOKENS) + len(self.alphabet)
+        end_of_turn += self.extra_special_tokens.index(self.chat.end_of_turn)
+        return [end_of_turn, eos]
 
     def build_config(self) -> PretrainedConfig:
         # Special ids follow tokenizer.SPECIAL_TOKENS: <pad>=0, <eos>=1, <bos>=2.
@@ -66,19 +103,36 @@ class TinyPreset:
             "eos_token_id": 1,
             "bos_token_id": 2,
         }
-        config_class = {"qwen2": Qwen2Config, "llama": LlamaConfig}[self.architecture]
-        return config_class(**common, **self.config_kwargs)
+        return AutoConfig.for_model(self.architecture, **common, **self.config_kwargs)
 
     def fingerprint(self) -> str:
-        spec = {
+        spec: dict[str, Any] = {
             "architecture": self.architecture,
             "config": self.config_kwargs,
             "alphabet": self.alphabet,
             "seed": self.seed,
             "special_tokens": SPECIAL_TOKENS,
         }
+        if self.chat is not None:  # absent for the task presets: their folders keep their names
+            spec["chat"] = [self.chat.special_tokens, self.chat.end_of_turn, self.chat.template]
         return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:8]
 
+
+# The architecture matrix's common shape: about 0.1 M parameters each (the MoE about twice),
+# created in well under a second.
+MATRIX_SHAPE: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    # Heads of 32 dimensions: vLLM's CPU attention has no kernel for 16.
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "max_position_embeddings": 256,
+    # Ten times transformers' default: next-token distributions far from uniform (entropy
+    # about 3.4 nats of 4.5), so a logprob taken at the wrong position or under the wrong
+    # weights shows; at 0.02 every family's distribution is nearly flat.
+    "initializer_range": 0.2,
+}
 
 TINY_PRESETS: dict[str, TinyPreset] = {
     # The default model: learns the counting task in under a minute on one CPU thread.
@@ -107,6 +161,63 @@ TINY_PRESETS: dict[str, TinyPreset] = {
             "max_position_embeddings": 256,
         },
     ),
+    **{
+        name: TinyPreset(architecture, {**MATRIX_SHAPE, **kwargs}, CHAT_ALPHABET, chat=chat)
+        for name, (architecture, kwargs, chat) in {
+            # Llama 3.2-shaped: tied embeddings, rope theta 5e5 with the llama3 rope scaling.
+            "llama3": (
+                "llama",
+                {
+                    "tie_word_embeddings": True,
+                    "rope_theta": 500000.0,
+                    "rope_scaling": {
+                        "rope_type": "llama3",
+                        "factor": 8.0,
+                        "low_freq_factor": 1.0,
+                        "high_freq_factor": 4.0,
+                        "original_max_position_embeddings": 64,
+                    },
+                },
+                LLAMA3,
+            ),
+            # Qwen2.5-shaped: QKV biases, tied embeddings.
+            "qwen2.5": ("qwen2", {"tie_word_embeddings": True}, CHATML),
+            # Qwen3: per-head RMSNorm of queries and keys, explicit head_dim.
+            "qwen3": ("qwen3", {"head_dim": 32, "tie_word_embeddings": True}, CHATML),
+            # Mistral v0.3-shaped: no sliding window, untied.
+            "mistral": ("mistral", {"sliding_window": None, "head_dim": 32}, MISTRAL),
+            # Gemma 3 (text): a sliding-window layer then a global one, the window shorter
+            # than the test sequences; tanh-GELU MLP, (1 + w) norms, scaled embeddings.
+            "gemma3": (
+                "gemma3_text",
+                {
+                    "head_dim": 32,
+                    "query_pre_attn_scalar": 32,
+                    "sliding_window": 8,
+                    "layer_types": ["sliding_attention", "full_attention"],
+                    "tie_word_embeddings": True,
+                    # Gemma scales its embeddings by sqrt(hidden_size): a smaller init gives
+                    # the same spread of next-token distributions as the other families.
+                    "initializer_range": 0.1,
+                },
+                GEMMA,
+            ),
+            # Phi-3: fused qkv_proj and gate_up_proj, untied.
+            "phi3": ("phi3", {"tie_word_embeddings": False}, PHI3),
+            # Qwen3-MoE: 4 experts, 2 routed per token, every layer sparse.
+            "qwen3-moe": (
+                "qwen3_moe",
+                {
+                    "head_dim": 32,
+                    "num_experts": 4,
+                    "num_experts_per_tok": 2,
+                    "moe_intermediate_size": 64,
+                    "tie_word_embeddings": False,
+                },
+                CHATML,
+            ),
+        }.items()
+    },
 }
 
 
@@ -146,6 +257,23 @@ def resolve_model_path(model_name: str, cache_dir: str | os.PathLike[str] | None
     return path
 
 
+def resolve_tokenizer_path(tokenizer_name: str | None, model_path: str | os.PathLike[str]) -> Path:
+    """The folder to load the tokenizer from: ``policy.tokenizer.name`` (a ``tiny://`` preset
+    or a folder of tokenizer files), else the model folder."""
+    if tokenizer_name is None:
+        return Path(model_path)
+    if tokenizer_name.startswith(TINY_SCHEME):
+        return resolve_model_path(tokenizer_name)
+    path = Path(tokenizer_name).expanduser()
+    if not path.is_dir():
+        raise ModelPathError(
+            f"policy.tokenizer.name={tokenizer_name!r}: no such folder; give a folder of "
+            "tokenizer files (tokenizer.json, tokenizer_config.json), or null to use "
+            "policy.model_name's"
+        )
+    return path
+
+
 def ensure_tiny_model(preset_name: str, models_dir: Path) -> Path:
     """The folder of a tiny preset under ``models_dir``, written atomically if missing."""
     preset = TINY_PRESETS[preset_name]
@@ -178,10 +306,10 @@ def write_tiny_model(preset: TinyPreset, folder: Path) -> None:
         torch.manual_seed(preset.seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config.pad_token_id = config.pad_token_id
-    model.generation_config.eos_token_id = config.eos_token_id
+    model.generation_config.eos_token_id = preset.generation_eos_token_ids()
     model.generation_config.bos_token_id = config.bos_token_id
     model.save_pretrained(folder, safe_serialization=True)
-    build_char_tokenizer(preset.alphabet).save_pretrained(folder)
+    preset.build_tokenizer().save_pretrained(folder)
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:

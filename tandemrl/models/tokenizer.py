@@ -12,7 +12,8 @@ BPE without merges is a pure character split. Vocabulary entries are therefore b
 symbols (space is ``"Ġ"`` in ``convert_ids_to_tokens``); ``decode`` gives back plain text.
 
 Ids 0-3 are the special tokens (``<pad>``, ``<eos>``, ``<bos>``, ``<unk>``), then one id per
-character of ``CHAR_ALPHABET`` in order. Nothing is added around the text: ``"58="`` is three
+character of ``CHAR_ALPHABET`` in order, then one id per extra special token (a chat preset's
+turn markers such as ``<|im_start|>``: matched whole, before the character split). Nothing is added around the text: ``"58="`` is three
 ids. A character outside the alphabet is dropped by the encoder (byte-level BPE without that
 byte, as ``Qwen2Tokenizer`` does); ``<unk>`` exists so that every loader agrees on the
 vocabulary size.
@@ -20,7 +21,15 @@ vocabulary size.
 
 from __future__ import annotations
 
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+)
 from transformers import PreTrainedTokenizerFast
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
@@ -33,6 +42,9 @@ SPECIAL_TOKENS = (PAD_TOKEN, EOS_TOKEN, BOS_TOKEN, UNK_TOKEN)
 # Enough for the built-in tasks: counting ("583=") and word-free arithmetic ("5/6+1/2=",
 # "-3.75"). Keep it small: the vocabulary is the tiny models' embedding table.
 CHAR_ALPHABET = "0123456789=+-*/.,:() "
+# The chat presets' alphabet: the role names and words of a chat template and of a system
+# prompt, line breaks, and the markup chat models answer in ("**42**", "\\boxed{42}").
+CHAT_ALPHABET = CHAR_ALPHABET + "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ\n?!'\"{}\\$_#"
 
 
 def byte_level_symbol(char: str) -> str:
@@ -49,10 +61,16 @@ def byte_level_symbol(char: str) -> str:
     return chr(256 + [byte for byte in range(256) if byte not in printable].index(code))
 
 
-def build_char_tokenizer(alphabet: str = CHAR_ALPHABET) -> PreTrainedTokenizerFast:
-    """A fast tokenizer that maps every character of ``alphabet`` to its own id."""
+def build_char_tokenizer(
+    alphabet: str = CHAR_ALPHABET, extra_special_tokens: tuple[str, ...] = ()
+) -> PreTrainedTokenizerFast:
+    """A fast tokenizer that maps every character of ``alphabet`` to its own id, and each of
+    ``extra_special_tokens`` (after them) to one id of its own."""
     if len(set(alphabet)) != len(alphabet):
         raise ValueError(f"tokenizer alphabet {alphabet!r} repeats a character")
+    clashes = set(extra_special_tokens) & set(SPECIAL_TOKENS)
+    if clashes or len(set(extra_special_tokens)) != len(extra_special_tokens):
+        raise ValueError(f"extra special tokens {extra_special_tokens!r} repeat a token")
     vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS)}
     for char in alphabet:
         vocab[byte_level_symbol(char)] = len(vocab)
@@ -76,6 +94,10 @@ def build_char_tokenizer(alphabet: str = CHAR_ALPHABET) -> PreTrainedTokenizerFa
         ]
     )
     backend.decoder = decoders.ByteLevel()
+    if extra_special_tokens:
+        backend.add_special_tokens(
+            [AddedToken(token, special=True, normalized=False) for token in extra_special_tokens]
+        )
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,
         pad_token=PAD_TOKEN,

@@ -34,6 +34,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NoReturn
 
 from tandemrl.config.models import RolloutFailureConfig
 from tandemrl.controller.barrier import CheckpointBarrier
@@ -58,12 +59,22 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class TextCodec:
-    """How the rollout turns prompt text into token ids and completions back into text."""
+    """How the rollout turns prompts into token ids and completions back into text."""
 
     encode: Callable[[str], list[int]]
     decode: Callable[[list[int]], str]
     eos_token_id: int | None
     pad_token_id: int
+    # The text the model is given for a prompt (data.prompt_format, e.g. the chat template
+    # rendering); None: the prompt text itself.
+    render_prompt: Callable[[PromptItem], str] | None = None
+    # Every id that ends a completion besides eos_token_id: the model folder's EOS ids and the
+    # configured stops (tandemrl.models.special_tokens). Each request stops on all of them.
+    stop_token_ids: tuple[int, ...] = ()
+
+    def encode_prompt(self, item: PromptItem) -> list[int]:
+        """The prompt token ids of ``item``'s generations."""
+        return self.encode(item.prompt if self.render_prompt is None else self.render_prompt(item))
 
 
 @dataclass(frozen=True)
@@ -72,6 +83,9 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
+    # policy.max_total_sequence_length: a completion stops where prompt + completion reach it
+    # (None: no limit beyond max_new_tokens).
+    max_total_tokens: int | None = None
 
 
 class GroupAborted(Exception):
@@ -147,6 +161,9 @@ class RolloutManager:
         self.env = env
         self.codec = codec
         self.sampling = sampling
+        # A completion's text leaves out the stop token that ended it.
+        eos = () if codec.eos_token_id is None else (codec.eos_token_id,)
+        self._stop_ids = frozenset((*sampling.stop_token_ids, *codec.stop_token_ids, *eos))
         self.group_size = group_size
         self.failure_cfg = failure_cfg
         self.ledger = ledger
@@ -216,13 +233,50 @@ class RolloutManager:
 
     # ------------------------------------------------------------------ generation
 
+    def _prompt_ids(self, group: UnfinishedGroup) -> list[int]:
+        """The group's prompt as token ids (``data.prompt_format``); a prompt that cannot be
+        rendered (a chat template refusing its conversation) drops the group, no retry."""
+        try:
+            return self.codec.encode_prompt(group.item)
+        except Exception as exc:  # the template or codec is user data too
+            self._drop_unretryable(group, DataFailure(f"prompt {group.item.prompt_id}: {exc}"))
+
+    def _completion_budget(self, group: UnfinishedGroup, prompt_ids: list[int]) -> int:
+        """``max_new_tokens``, cut so that prompt + completion fit the trainer's
+        ``policy.max_total_sequence_length``; a prompt that leaves no room drops the group."""
+        limit = self.sampling.max_total_tokens
+        if limit is None:
+            return self.sampling.max_new_tokens
+        room = limit - len(prompt_ids)
+        if room < 1:
+            self._drop_unretryable(
+                group,
+                DataFailure(
+                    f"prompt {group.item.prompt_id} is {len(prompt_ids)} tokens as the model "
+                    "sees it (data.prompt_format, chat template included), which leaves no room "
+                    f"for a completion within policy.max_total_sequence_length={limit}; raise it "
+                    "or shorten the prompt"
+                ),
+            )
+        return min(self.sampling.max_new_tokens, room)
+
+    def _drop_unretryable(self, group: UnfinishedGroup, failure: DataFailure) -> NoReturn:
+        """Charge ``failure`` to the group and drop it: trying again would fail the same way."""
+        record = self._record(group, None, 1, FailureKind.DATA, failure)
+        raise RolloutDropped(group.group_id, record) from failure
+
     def _requests(
-        self, group: UnfinishedGroup, siblings: list[int], attempt: int, prompt_ids: list[int]
+        self,
+        group: UnfinishedGroup,
+        siblings: list[int],
+        attempt: int,
+        prompt_ids: list[int],
+        max_new_tokens: int,
     ) -> list[GenerationRequest]:
         """One request per sibling; its seed is crc32("{seed}|{group_id}|{sibling}|{attempt}")."""
         group_id = group.group_id
         sampling = self.sampling
-        max_new_tokens, temperature = sampling.max_new_tokens, sampling.temperature
+        temperature = sampling.temperature
         top_p, stop_token_ids = sampling.top_p, sampling.stop_token_ids
         # crc32 continues from a running value, so the shared prefix is hashed once per call.
         prefix_crc = zlib.crc32(f"{self.seed}|{group_id}|".encode())
@@ -247,7 +301,8 @@ class RolloutManager:
         return requests
 
     async def _generate_all_siblings(self, group: UnfinishedGroup) -> None:
-        prompt_ids = self.codec.encode(group.item.prompt)
+        prompt_ids = self._prompt_ids(group)
+        max_new_tokens = self._completion_budget(group, prompt_ids)
         infra_retries = 0
         data_retries: dict[int, int] = {}
         attempt = 0
@@ -255,7 +310,7 @@ class RolloutManager:
         while len(group.staged) < self.group_size:
             pending = [i for i in range(self.group_size) if i not in group.staged]
             attempt += 1
-            requests = self._requests(group, pending, attempt, prompt_ids)
+            requests = self._requests(group, pending, attempt, prompt_ids, max_new_tokens)
             self.active_requests[group.group_id] = requests
             try:
                 if self.failure_cfg.rollout_timeout_s is None:  # one coroutine level less
@@ -332,11 +387,11 @@ class RolloutManager:
         keeps the event loop free: see ``tandemrl.envs.base``); failures per sibling."""
         texts: list[str] = []
         undecodable: dict[int, DataFailure] = {}
-        decode, eos = self.codec.decode, self.codec.eos_token_id
+        decode, stops = self.codec.decode, self._stop_ids
         for index, result in enumerate(results):
-            # The completion's text: its tokens without a final end-of-sequence token.
+            # The completion's text: its tokens without the stop token that ended it.
             completion = result.token_ids
-            if eos is not None and completion and completion[-1] == eos:
+            if completion and completion[-1] in stops:
                 completion = completion[:-1]
             try:
                 texts.append(decode(completion))

@@ -36,8 +36,11 @@ log = logging.getLogger(__name__)
 DEFAULT_CHUNK_TOKENS = 4096
 
 # Causal-LM classes whose logits are exactly lm_head(final hidden states): no bias, soft-cap
-# or logit scale. Other models keep the plain logits path.
-SUPPORTED_MODEL_TYPES = frozenset({"qwen2", "qwen3", "llama", "mistral"})
+# or logit scale (Gemma 3's soft-cap is checked below; Gemma 2's is on by default). Other
+# models keep the plain logits path. tests/unit/test_model_matrix.py checks each against it.
+SUPPORTED_MODEL_TYPES = frozenset(
+    {"qwen2", "qwen3", "llama", "mistral", "phi3", "qwen3_moe", "gemma3_text"}
+)
 
 
 def supports_head_logprobs(model: torch.nn.Module) -> bool:

@@ -22,6 +22,11 @@ attention layer:
 - called without it (unpacked batches, e.g. left-padded rows): transformers' own SDPA path,
   unchanged, and its SDPA mask function builds the mask.
 
+The mask function registered with it (``packed_or_sdpa_mask``) builds no mask when the caller
+gives no padding mask: a packed call attends within rows through ``packed_cu_seqlens``, and a
+model that takes no per-layer mask mapping (``causal_mask.py``) would otherwise have
+transformers detect the restarting positions and build a [T, T] block mask that nothing reads.
+
 Position ids restart per row, so the rotary embedding of every token equals the padded
 forward's (where a right-padded row's token t sits at position t). Packing therefore needs
 right-padded rows; ``pack_rows`` refuses others.
@@ -38,9 +43,10 @@ import torch.nn.functional as F
 PACKED_ATTENTION = "tandemrl_packed"
 
 # Model types whose attention layers take the attention function from transformers'
-# AttentionInterface and their positions from position_ids (the same set as the chunked
-# logprob head; see logprob_head.SUPPORTED_MODEL_TYPES).
-PACKABLE_MODEL_TYPES = frozenset({"qwen2", "qwen3", "llama", "mistral"})
+# AttentionInterface and their positions from position_ids, with full attention in every
+# layer (Gemma's sliding-window layers are not). Packing also needs the chunked logprob head
+# (logprob_head.SUPPORTED_MODEL_TYPES).
+PACKABLE_MODEL_TYPES = frozenset({"qwen2", "qwen3", "llama", "mistral", "phi3", "qwen3_moe"})
 
 
 def varlen_attention_available() -> bool:
@@ -60,9 +66,14 @@ def packing_blocker(model: torch.nn.Module) -> str | None:
     model_type = getattr(config, "model_type", None)
     if model_type not in PACKABLE_MODEL_TYPES:
         return f"model type {model_type!r} is not one of {sorted(PACKABLE_MODEL_TYPES)}"
-    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
-    if layer_types != {"full_attention"}:
-        return f"the model has {sorted(layer_types)} layers; packing supports full attention only"
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and set(layer_types) != {"full_attention"}:
+        return (
+            f"the model has {sorted(set(layer_types))} layers; packing supports full attention only"
+        )
+    # Models without per-layer types apply config.sliding_window in every layer.
+    if layer_types is None and getattr(config, "sliding_window", None) is not None:
+        return f"sliding-window attention (sliding_window={config.sliding_window})"
     if getattr(config, "attention_dropout", 0.0):
         return "the model uses attention dropout"
     return None
@@ -236,12 +247,22 @@ def packed_attention_forward(
     return out.unsqueeze(0), None
 
 
+def packed_or_sdpa_mask(*, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> Any:
+    """transformers mask function of ``tandemrl_packed``: no mask without a padding mask
+    (packed rows attend within rows by ``packed_cu_seqlens``; right-padded rows are plain
+    causal), SDPA's mask for a padded batch (which attention then runs through SDPA)."""
+    if attention_mask is None:
+        return None
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(attention_mask=attention_mask, **kwargs)
+
+
 def use_packed_attention(model: torch.nn.Module) -> None:
     """Register ``tandemrl_packed`` with transformers and switch ``model`` to it."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
-    # Unpacked calls fall back to SDPA attention, so they need SDPA's mask.
-    ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_ATTENTION, sdpa_mask)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_ATTENTION, packed_or_sdpa_mask)
     model.set_attn_implementation(PACKED_ATTENTION)

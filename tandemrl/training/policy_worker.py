@@ -28,8 +28,8 @@ For Qwen2/Qwen3/Llama/Mistral models (logits = a bias-free lm_head of the last h
 they come from ``logprob_head.head_logprobs``: only at the positions that need them (loss
 positions in training, real tokens in ``get_logprobs``), chunked, never materialising float32
 [tokens, vocab] logits; other models take the full-logits path. Right-padded micro-batches run
-without the padding mask (causal attention already ignores trailing padding), so attention
-takes the fused causal kernel. With ``policy.sequence_packing`` (on CUDA by default) they run
+without the padding mask (causal attention already ignores trailing padding; how a model is
+told so: ``causal_mask.py``), so attention takes the fused causal kernel. With ``policy.sequence_packing`` (on CUDA by default) they run
 without the padding at all: each micro-batch's rows are packed into one sequence with
 attention kept within rows (``tandemrl.training.packing``), micro-batches are cut by real
 tokens (``train_micro_batch_tokens``), and the loss sees the same [b, l] logprobs.
@@ -73,6 +73,7 @@ from tandemrl.dataplane.atomic import atomic_directory
 from tandemrl.models import load_causal_lm, resolve_device, resolve_model_path
 from tandemrl.training.api import TrainBatch
 from tandemrl.training.batch import count_loss_tokens, loss_mask, split_microbatches, trim_padding
+from tandemrl.training.causal_mask import no_mask_argument
 from tandemrl.training.logprob_head import head_logprobs, supports_head_logprobs
 from tandemrl.training.losses import metrics_to_floats, policy_loss_terms, token_entropy
 from tandemrl.training.packing import (
@@ -161,8 +162,8 @@ class Micro:
     ``targets``: the token at each; ``hidden_index``: the row of the model's flattened last
     hidden states that predicts each (one position earlier, in the packed sequence when the
     rows are packed). ``model_inputs``: what the model's forward takes: the padded
-    ``input_ids`` with their attention mask (for right-padded rows a mapping that tells
-    transformers to use plain causal attention, or None), or the packed sequence with its
+    ``input_ids`` with their attention mask (for right-padded rows the value that means plain
+    causal attention, ``causal_mask.no_mask_argument``), or the packed sequence with its
     position ids and row boundaries.
     """
 
@@ -267,11 +268,9 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
         # Logprobs from the hidden states through the chunked head (logprob_head.py) where
         # the model's logits are a plain lm_head; the full-logits path otherwise.
         self.use_head_logprobs = supports_head_logprobs(self.model)
-        # Right-padded micro-batches pass this mapping as the attention mask: transformers
-        # then builds no mask (and skips its packed-sequence probe, a wait for the device
-        # at every forward) and attention runs the plain causal kernel.
-        layer_types = set(getattr(self.model.config, "layer_types", None) or ["full_attention"])
-        self._no_mask = {"full_attention": None} if layer_types == {"full_attention"} else None
+        # What right-padded and packed micro-batches pass as the attention mask: plain causal
+        # attention, with no mask built where the model allows it (causal_mask.py).
+        self._no_mask = no_mask_argument(self.model)
         self.sequence_packing = self._resolve_packing(policy_cfg.sequence_packing)
         if self.sequence_packing:
             use_packed_attention(self.model)

@@ -12,13 +12,21 @@ from tandemrl.config import (
     required_buffer_capacity,
     validate_single_controller_config,
 )
+from tandemrl.controller.actor import run_text_codec
+from tandemrl.models import load_tokenizer, resolve_model_path
+from tandemrl.records import PromptItem
 
 CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "configs"
 EXEMPLARS = sorted(CONFIGS.glob("*.yaml"))
 
 
+# Exemplars whose model folder exists only on the GPU box: validated with a tiny chat preset
+# of the same chat format (SmolLM2's is ChatML) in its place.
+MODEL_STAND_INS = {"grpo_smollm2_math_gpu": ("policy.model_name=tiny://qwen2.5",)}
+
+
 def exemplar(name: str) -> MasterConfig:
-    return load_config(CONFIGS / f"{name}.yaml")
+    return load_config(CONFIGS / f"{name}.yaml", MODEL_STAND_INS.get(name, ()))
 
 
 def test_the_expected_exemplars_exist():
@@ -31,12 +39,13 @@ def test_the_expected_exemplars_exist():
         "grpo_tiny_cpu_colocated",
         "grpo_tiny_cpu_checkpointed",
         "ppo_tiny_cpu",
+        "grpo_smollm2_math_gpu",
     }
 
 
 @pytest.mark.parametrize("path", EXEMPLARS, ids=lambda path: path.stem)
 def test_every_exemplar_validates_without_warnings(path):
-    cfg = load_config(path)
+    cfg = exemplar(path.stem)
     assert validate_single_controller_config(cfg) == []
     assert cfg.logger.log_dir == f"runs/{path.stem}"
 
@@ -110,3 +119,26 @@ def test_ppo_exemplar():
     # critic_ppo_epochs: ${ppo.ppo_epochs} follows an override of ppo_epochs.
     overridden = load_config(CONFIGS / "ppo_tiny_cpu.yaml", ["ppo.ppo_epochs=3"])
     assert overridden.ppo.critic_ppo_epochs == 3
+
+
+def test_smollm2_exemplar_trains_a_chat_model_on_one_gpu():
+    cfg = load_config(CONFIGS / "grpo_smollm2_math_gpu.yaml")
+    assert cfg.policy.model_name == "/tmp/smollm2"  # where smollm2_to_hf.py writes it
+    assert (cfg.policy.device, cfg.policy.precision) == ("cuda", "auto")
+    assert cfg.policy.generation.colocated.enabled and cfg.policy.generation.colocated.stand_down
+    assert (cfg.data.dataset, cfg.data.prompt_format, cfg.env.name) == (
+        "builtin://math",
+        "chat",
+        "math",
+    )
+    assert cfg.policy.generation.stop_strings == ["<|im_end|>"]
+    assert cfg.checkpointing.enabled and cfg.checkpointing.checkpoint_dir.endswith(
+        "grpo_smollm2_math_gpu"
+    )
+    # With a chat model in place the run stops at the end of the assistant's turn.
+    stand_in = exemplar("grpo_smollm2_math_gpu")
+    folder = resolve_model_path(stand_in.policy.model_name)
+    codec = run_text_codec(stand_in, str(folder))
+    assert load_tokenizer(folder).convert_tokens_to_ids("<|im_end|>") in codec.stop_token_ids
+    assert codec.render_prompt is not None
+    assert codec.render_prompt(PromptItem("p", 0, 0, "7*6=")).endswith("<|im_start|>assistant\n")

@@ -268,8 +268,9 @@ def test_builtin_counting_is_deterministic_and_correct() -> None:
     assert generate_counting_records(50, 3) == first
 
 
-def test_builtin_math_loads_and_its_answers_are_right() -> None:
-    loaded = load_prompt_records(DataConfig(dataset="builtin://math"))
+@pytest.mark.parametrize("dataset", ["builtin://math", "builtin://math-heldout"])
+def test_builtin_math_loads_and_its_answers_are_right(dataset: str) -> None:
+    loaded = load_prompt_records(DataConfig(dataset=dataset))
     assert 150 <= len(loaded) <= 300
     assert len({record.prompt for record in loaded}) == len(loaded)
     env = MathEnv()
@@ -287,3 +288,12 @@ def test_bundled_math_file_matches_its_generator() -> None:
     generated = make_problems()
     assert [record.prompt for record in bundled] == [problem["prompt"] for problem in generated]
     assert [record.answer for record in bundled] == [problem["answer"] for problem in generated]
+
+
+def test_heldout_math_shares_no_problem_with_the_training_set() -> None:
+    training = load_prompt_records(DataConfig(dataset="builtin://math"))
+    heldout = load_prompt_records(DataConfig(dataset="builtin://math-heldout"))
+    assert len(heldout) == len(training) == 200
+    assert not {record.prompt for record in training} & {record.prompt for record in heldout}
+    # Every kind of problem is represented in both.
+    assert {r.task_source for r in heldout} == {r.task_source for r in training}

@@ -152,6 +152,17 @@ def test_task_source_attached_only_when_present() -> None:
         ("x=.5", ".5", "equals"),
         ("no digits here", None, "no_number"),
         ("\\boxed{}", None, "empty_boxed"),
+        # A chat model's free-form replies.
+        ("The answer is 42.", "42", "answer"),
+        ("The answer is 67 because we take 7 from 74.", "67", "answer"),
+        ("The final answer is $-83$.", "-83", "answer"),
+        ("**Answer:** 176", "176", "answer"),
+        ("So 74 - 7 = **67**. Ask me 1 more!", "67", "bold"),
+        ("**42**", "42", "bold"),
+        ("To find the answer, compute 7*6 = 42.", "42", "equals"),
+        ("It is \\boxed{\\frac{4}{3}}.", "4/3", "boxed"),
+        ("5/6 + 1/2 = \\dfrac{4}{3}", "4/3", "equals"),
+        ("12 \u2212 95 = \u221283", "-83", "equals"),
     ],
 )
 def test_math_extract_answer(completion: str, answer: str | None, rule: str) -> None:
@@ -180,6 +191,8 @@ def test_math_parse_number(text: str, value: float) -> None:
         ("the sum is \\boxed{31.25}", 31.25, 1.0),
         ("-83", "-83", 1.0),
         ("83", -83, 0.0),
+        ("Sure! 74 - 7 = 67. The answer is 67.", 67, 1.0),
+        ("We add them: \\boxed{\\frac{4}{3}}", "4/3", 1.0),
     ],
 )
 def test_math_reward(completion: str, answer: object, reward: float) -> None:

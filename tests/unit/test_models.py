@@ -183,4 +183,4 @@ def test_resolve_dtype() -> None:
 
 def test_presets_fit_the_tokenizer() -> None:
     for name, preset in TINY_PRESETS.items():
-        assert preset.build_config().vocab_size == len(build_char_tokenizer(preset.alphabet)), name
+        assert preset.build_config().vocab_size == len(preset.build_tokenizer()), name

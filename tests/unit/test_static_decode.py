@@ -39,7 +39,12 @@ def _varied(model: PreTrainedModel, seed: int) -> PreTrainedModel:
     return model
 
 
-@pytest.fixture(scope="module", params=["qwen2-counting", "llama-small"])
+# The two task presets and every family of the architecture matrix the static path supports
+# (Llama 3 rotary scaling, Qwen3's query/key norms, Mistral, Phi-3's fused projections), with
+# every weight (norms included) moved off its initial value.
+@pytest.fixture(
+    scope="module", params=["qwen2-counting", "llama-small", "llama3", "qwen3", "mistral", "phi3"]
+)
 def preset_path(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     base = resolve_model_path(f"tiny://{request.param}", tmp_path_factory.mktemp("cache"))
     folder = tmp_path_factory.mktemp(request.param)
@@ -248,15 +253,19 @@ def test_fused_weights_follow_load_state_dict(preset_path: Path) -> None:
     other = _varied(load_causal_lm(preset_path, device="cpu", dtype="float32"), seed=9)
     with torch.no_grad():
         model.load_state_dict(other.state_dict())
-    attention = other.model.layers[1].self_attn
-    expected = torch.cat(
-        [attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight]
-    )
-    assert torch.equal(layers[1].qkv_weight, expected)
-    mlp = other.model.layers[1].mlp
-    assert torch.equal(
-        layers[1].gate_up_weight, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
-    )
+    attention, mlp = other.model.layers[1].self_attn, other.model.layers[1].mlp
+    if hasattr(attention, "qkv_proj"):  # Phi-3 keeps them fused itself
+        expected_qkv, expected_gate_up = attention.qkv_proj.weight, mlp.gate_up_proj.weight
+    else:
+        expected_qkv = torch.cat(
+            [attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight]
+        )
+        expected_gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+    assert torch.equal(layers[1].qkv_weight, expected_qkv)
+    assert torch.equal(layers[1].gate_up_weight, expected_gate_up)
+    if hasattr(attention, "q_norm"):  # Qwen3: the norms are the model's own tensors too
+        assert torch.equal(layers[1].q_norm, attention.q_norm.weight)
+        assert torch.equal(layers[1].k_norm, attention.k_norm.weight)
     # The model itself still computes what the other one does.
     tokens = torch.tensor([[5, 6, 7, 8]])
     assert torch.allclose(_reference_logits(model, tokens), _reference_logits(other, tokens))
