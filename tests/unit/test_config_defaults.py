@@ -90,12 +90,13 @@ def test_derived_defaults_follow_the_sampler(tmp_path):
 
 @pytest.mark.parametrize("path", EXEMPLARS, ids=lambda path: path.stem)
 def test_validate_print_output_validates_and_loads_back_as_the_same_run(path, tmp_path, capsys):
-    assert main(["validate", "--config", str(path), "--print"]) == 0
+    # The config round trip, not this machine: the GPU exemplar names a folder made there.
+    assert main(["validate", "--config", str(path), "--print", "--no-runtime-checks"]) == 0
     printed = capsys.readouterr().out
     again = write(tmp_path, printed, "printed.yaml")
     report = check_config(again)
     assert report.errors == [], report.errors
     assert report.config == load_config(path)
     # And printing the printed config changes nothing.
-    assert main(["validate", "--config", str(again), "--print"]) == 0
+    assert main(["validate", "--config", str(again), "--print", "--no-runtime-checks"]) == 0
     assert yaml.safe_load(capsys.readouterr().out) == yaml.safe_load(printed)
