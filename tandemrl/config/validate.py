@@ -578,8 +578,11 @@ class _Checker:
     def check_prompt_format(self) -> None:
         data, policy = self.cfg.data, self.cfg.policy
         if data.prompt_format != "chat":
+            defaults = type(data)()
             for key in ("system_prompt", "messages_key"):
-                if key in data.model_fields_set:
+                # A value other than the default: a written-out default is no choice (the
+                # printed config must load back).
+                if getattr(data, key) != getattr(defaults, key):
                     self.error(
                         f"data.{key}: applies to data.prompt_format: chat only (it is "
                         f"{data.prompt_format!r}); set data.prompt_format: chat or remove it"

@@ -718,7 +718,12 @@ def test_env_python_path_is_only_for_a_custom_env():
         "env.python_path[0]",
         "empty",
     )
-    custom = ("env.name=custom", "env.target=m:E", "env.python_path=[examples/custom_env]")
+    custom = (
+        "env.name=custom",
+        "env.target=m:E",
+        "env.python_path=[examples/custom_env]",
+        "data.dataset=builtin://counting",
+    )
     assert warnings(*custom) == []
 
 
