@@ -75,6 +75,7 @@ from gpu_common import (
     make_train_batch,
 )
 
+from tandemrl.codec import TextCodec
 from tandemrl.config.capacity import required_buffer_capacity
 from tandemrl.config.loader import load_config
 from tandemrl.controller.build import ControllerParts, build_controller
@@ -89,7 +90,6 @@ from tandemrl.controller.weight_sync_cuda import (
 from tandemrl.envs.counting import CountingEnv
 from tandemrl.generation import torch_engine
 from tandemrl.records import GenerationRequest
-from tandemrl.rollout.manager import TextCodec
 from tandemrl.sm_partition import SmShare, split_sms
 from tandemrl.training.policy_worker import PolicyWorker
 

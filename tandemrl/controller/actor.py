@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from tandemrl.checkpoint.restore import RestorePlan, resume
+from tandemrl.codec import text_codec
 from tandemrl.config.models import MasterConfig
 from tandemrl.controller.build import ControllerParts, build_controller
 from tandemrl.controller.ray_proxy import ActorProxy
@@ -30,67 +31,6 @@ from tandemrl.controller.weight_sync_cuda import CudaIpcWeightSync, NcclWeightSy
 from tandemrl.envs import create_environment
 from tandemrl.models import load_tokenizer
 from tandemrl.rollout.generation_pool import GenerationPool
-from tandemrl.rollout.manager import TextCodec
-
-
-def text_codec(tokenizer: Any) -> TextCodec:
-    """Prompt text -> ids and completion ids -> text for the rollout manager.
-
-    The controller encodes every prompt and decodes every completion (128 per step on the
-    default job), so when the transformers wrapper would only forward to its ``tokenizers``
-    backend, the codec calls the backend directly and skips the wrapper's per-call argument
-    handling (about a tenth of the controller's CPU). ``_backend_is_exact`` lists when that
-    gives the very same ids and strings; otherwise the wrapper is called.
-    """
-    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    if _backend_is_exact(tokenizer):
-        backend = tokenizer.backend_tokenizer
-        return TextCodec(
-            encode=lambda text: backend.encode(text, add_special_tokens=False).ids,
-            decode=lambda ids: backend.decode(ids, skip_special_tokens=True),
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=pad_token_id,
-        )
-    return TextCodec(
-        encode=lambda text: tokenizer.encode(text, add_special_tokens=False),
-        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=pad_token_id,
-    )
-
-
-def _backend_is_exact(tokenizer: Any) -> bool:
-    """True when ``encode``/``decode`` of ``tokenizer`` are plain calls of its backend.
-
-    transformers' fast tokenizer encodes one text as ``backend.encode_batch([text])`` after
-    switching the backend's truncation and padding off and setting its special-token
-    splitting, and decodes as ``backend.decode`` followed by an optional space clean-up. So
-    the backend alone is exact when the class overrides none of those methods, the backend
-    has no truncation or padding set, its special-token splitting already matches, and the
-    clean-up is off.
-    """
-    try:
-        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
-        from transformers.tokenization_utils_tokenizers import TokenizersBackend
-    except ImportError:
-        return False
-    cls = type(tokenizer)
-    if not isinstance(tokenizer, TokenizersBackend):
-        return False
-    inherited = (
-        cls.encode is PreTrainedTokenizerBase.encode
-        and cls.decode is PreTrainedTokenizerBase.decode
-        and cls._encode_plus is TokenizersBackend._encode_plus
-        and cls._decode is TokenizersBackend._decode
-    )
-    backend = tokenizer.backend_tokenizer
-    return (
-        inherited
-        and backend.truncation is None
-        and backend.padding is None
-        and backend.encode_special_tokens == bool(tokenizer.split_special_tokens)
-        and not tokenizer.clean_up_tokenization_spaces
-    )
 
 
 def make_weight_sync(

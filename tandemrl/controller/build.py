@@ -13,14 +13,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tandemrl.barrier import CheckpointBarrier
 from tandemrl.buffer import ReplayBuffer
 from tandemrl.checkpoint.commit_log import CommitLog
 from tandemrl.checkpoint.commit_replay import commit_log_dir
 from tandemrl.checkpoint.journal import RunJournal
 from tandemrl.checkpoint.layout import JOURNAL
 from tandemrl.checkpoint.writer import CheckpointWriter
+from tandemrl.codec import TextCodec
 from tandemrl.config.models import MasterConfig
-from tandemrl.controller.barrier import CheckpointBarrier
 from tandemrl.controller.ppo_step import PPOStepRunner
 from tandemrl.controller.single_controller import ControllerSettings, SingleController, StepHook
 from tandemrl.controller.step_runner import GRPOStepRunner, StepRunner
@@ -32,7 +33,7 @@ from tandemrl.envs.base import Environment
 from tandemrl.rollout.failures import FailureBudgets
 from tandemrl.rollout.generation_pool import GenerationPool
 from tandemrl.rollout.ledger import OwnershipLedger
-from tandemrl.rollout.manager import RolloutManager, SamplingParams, TextCodec
+from tandemrl.rollout.manager import RolloutManager, SamplingParams
 from tandemrl.samplers import create_sampler
 
 

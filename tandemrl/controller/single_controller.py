@@ -31,12 +31,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandemrl.barrier import CheckpointBarrier
 from tandemrl.checkpoint.commit_log import CommitLog
 from tandemrl.checkpoint.commit_replay import CommitRecorder
 from tandemrl.checkpoint.journal import RunJournal
 from tandemrl.checkpoint.writer import CheckpointWriter
 from tandemrl.config.models import StallWatchdogConfig
-from tandemrl.controller.barrier import CheckpointBarrier
 from tandemrl.controller.step_metrics import StepAccumulator, TrainedGroup
 from tandemrl.controller.step_runner import StepRunner
 from tandemrl.controller.watchdog import stall_watchdog

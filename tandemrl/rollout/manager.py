@@ -32,9 +32,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
+from tandemrl.barrier import CheckpointBarrier
+from tandemrl.codec import TextCodec
 from tandemrl.config.models import RolloutFailureConfig
-from tandemrl.controller.barrier import CheckpointBarrier
 from tandemrl.dataplane.base import DataPlane, RowBlock
+from tandemrl.dataplane.rows import make_group_block
 from tandemrl.envs.base import Environment
 from tandemrl.records import EnvResult, GenerationRequest, GenerationResult, PromptItem, RowMeta
 from tandemrl.rollout.failures import (
@@ -48,19 +50,8 @@ from tandemrl.rollout.failures import (
 )
 from tandemrl.rollout.generation_pool import GenerationPool, NoGenerationWorkers
 from tandemrl.rollout.ledger import OwnershipLedger, StagedSibling, UnfinishedGroup
-from tandemrl.training.batch import make_group_block
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class TextCodec:
-    """How the rollout turns prompt text into token ids and completions back into text."""
-
-    encode: Callable[[str], list[int]]
-    decode: Callable[[list[int]], str]
-    eos_token_id: int | None
-    pad_token_id: int
 
 
 @dataclass(frozen=True)

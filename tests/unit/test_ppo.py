@@ -20,9 +20,10 @@ from tandemrl.controller.ppo_step import (
     advantage_stage,
     warm_start_critic,
 )
+from tandemrl.dataplane.rows import make_training_row
 from tandemrl.envs.counting import CountingEnv
 from tandemrl.generation.fake import FakeGenerationBackend, LatencyModel, fake_codec
-from tandemrl.training.batch import collate_rows, make_training_row
+from tandemrl.training.batch import collate_rows
 from tandemrl.training.fake import FakeTrainer
 from tandemrl.training.worker_common import WORKER_STATE_FILE
 
