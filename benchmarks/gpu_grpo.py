@@ -79,19 +79,19 @@ from tandemrl.codec import TextCodec
 from tandemrl.config.capacity import required_buffer_capacity
 from tandemrl.config.loader import load_config
 from tandemrl.controller.build import ControllerParts, build_controller
-from tandemrl.controller.weight_sync import DirectWeightSync
-from tandemrl.controller.weight_sync_cuda import (
+from tandemrl.controller.weight_sync import (
     CudaIpcWeightSync,
     DeviceWeightSync,
-    FlatWeightSender,
+    DirectWeightSync,
     NcclWeightSync,
-    leave_process_group,
 )
 from tandemrl.envs.counting import CountingEnv
 from tandemrl.generation import torch_engine
 from tandemrl.records import GenerationRequest
 from tandemrl.sm_partition import SmShare, split_sms
 from tandemrl.training.policy_worker import PolicyWorker
+from tandemrl.transport.process_group import leave_process_group
+from tandemrl.transport.sender import FlatWeightSender
 
 PROMPT_PREFIX_TOKENS = 60
 GOALS = {

@@ -26,8 +26,12 @@ from tandemrl.config.models import MasterConfig
 from tandemrl.controller.build import ControllerParts, build_controller
 from tandemrl.controller.ray_proxy import ActorProxy
 from tandemrl.controller.single_controller import SingleController
-from tandemrl.controller.weight_sync import RayObjectStoreWeightSync, WeightSynchronizer
-from tandemrl.controller.weight_sync_cuda import CudaIpcWeightSync, NcclWeightSync
+from tandemrl.controller.weight_sync import (
+    CudaIpcWeightSync,
+    NcclWeightSync,
+    RayObjectStoreWeightSync,
+    WeightSynchronizer,
+)
 from tandemrl.envs import create_environment
 from tandemrl.models import load_tokenizer
 from tandemrl.rollout.generation_pool import GenerationPool

@@ -220,9 +220,6 @@ class GenerationPool:
         """Indices (fixed at construction) of the workers still in rotation."""
         return tuple(w.index for w in self._workers if w.alive)
 
-    def engine_at(self, index: int) -> Any:
-        return self._workers[index].engine
-
     def check_alive(self) -> None:
         """Raise ``NoGenerationWorkers`` when every worker has died."""
         if self.num_alive == 0:
