@@ -370,17 +370,13 @@ class _Checker:
                     f"async_rl.rollout_failure.{key}: must be 0 on a PPO run (got {value}); a "
                     "dropped prompt would shorten the step below value.train_global_batch_size"
                 )
-        for key in ("ppo_epochs", "critic_ppo_epochs"):
-            value = getattr(ppo, key)
-            if value < 1:
-                self.error(f"ppo.{key}: must be at least 1 (got {value})")
-        if cfg.loss_fn.reuse_training_logprobs and ppo.ppo_epochs > 1:
-            self.error(
-                f"loss_fn.reuse_training_logprobs: must be false with ppo.ppo_epochs > 1 (got "
-                f"{ppo.ppo_epochs}); from the second epoch on the training forward runs on "
-                "updated weights, so its logprobs are no longer the pre-step ones. Set it to "
-                "false, or ppo.ppo_epochs to 1"
+        self.errors.extend(
+            ppo_epoch_problems(
+                ppo_epochs=ppo.ppo_epochs,
+                critic_ppo_epochs=ppo.critic_ppo_epochs,
+                reuse_training_logprobs=cfg.loss_fn.reuse_training_logprobs,
             )
+        )
 
     def check_warmup_lookahead(self, algo: str) -> None:
         sampler = self.sampler
@@ -544,6 +540,26 @@ class _Checker:
                 f"env.target: only used when env.name is custom (env.name is {env.name!r}); "
                 "remove it"
             )
+
+
+def ppo_epoch_problems(
+    *, ppo_epochs: int, critic_ppo_epochs: int, reuse_training_logprobs: bool
+) -> list[str]:
+    """The PPO epoch rules, one message per violation (validation reports them with the rest;
+    ``PPOStepRunner`` refuses settings built without validation by the same rules)."""
+    problems = [
+        f"ppo.{key}: must be at least 1 (got {value})"
+        for key, value in (("ppo_epochs", ppo_epochs), ("critic_ppo_epochs", critic_ppo_epochs))
+        if value < 1
+    ]
+    if reuse_training_logprobs and ppo_epochs > 1:
+        problems.append(
+            f"loss_fn.reuse_training_logprobs: must be false with ppo.ppo_epochs > 1 (got "
+            f"{ppo_epochs}); from the second epoch on the training forward runs on updated "
+            "weights, so its logprobs are no longer the pre-step ones. Set it to false, or "
+            "ppo.ppo_epochs to 1"
+        )
+    return problems
 
 
 def _excluded_path_problem(path: Any) -> str:

@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from tandemrl.config.models import MasterConfig
+from tandemrl.config.validate import ppo_epoch_problems
 from tandemrl.controller.step_runner import collate_step_rows
 from tandemrl.training.advantages import gae, sequence_rewards_to_tokens, whiten
 from tandemrl.training.api import TrainBatch, Trainer, ValueTrainer
@@ -195,16 +196,13 @@ class PPOStepRunner:
         warm_start: WarmStart | None = None,
     ) -> None:
         """``warm_start``: ``async (value_trainer, resuming) -> bool``; default does nothing."""
-        if settings.ppo_epochs < 1 or settings.critic_ppo_epochs < 1:
-            raise ValueError(
-                f"ppo.ppo_epochs ({settings.ppo_epochs}) and ppo.critic_ppo_epochs "
-                f"({settings.critic_ppo_epochs}) must both be at least 1"
-            )
-        if settings.reuse_training_logprobs and settings.ppo_epochs > 1:
-            raise ValueError(
-                "loss_fn.reuse_training_logprobs: must be false with ppo.ppo_epochs > 1 (got "
-                f"{settings.ppo_epochs}): later epochs train on updated weights"
-            )
+        problems = ppo_epoch_problems(
+            ppo_epochs=settings.ppo_epochs,
+            critic_ppo_epochs=settings.critic_ppo_epochs,
+            reuse_training_logprobs=settings.reuse_training_logprobs,
+        )
+        if problems:
+            raise ValueError("; ".join(problems))
         self.trainer = trainer
         self.value_trainer = value_trainer
         self.settings = settings

@@ -64,11 +64,12 @@ from safetensors.torch import save as safetensors_save
 
 from tandemrl.config.models import DataPlaneConfig
 from tandemrl.dataplane import tq_rows
-from tandemrl.dataplane.atomic import atomic_directory, is_temporary_name, write_file_synced
+from tandemrl.dataplane.atomic import atomic_directory, write_file_synced
 from tandemrl.dataplane.base import DataPlane, DataPlaneError, Row
 from tandemrl.dataplane.local import SNAPSHOT_FORMAT as LOCAL_SNAPSHOT_FORMAT
 from tandemrl.dataplane.local import read_snapshot as read_local_snapshot
 from tandemrl.dataplane.local import row_digest
+from tandemrl.dataplane.manifest import MANIFEST_NAME, read_snapshot_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +88,6 @@ SAVE_CHUNK_ROWS = 256
 
 SNAPSHOT_FORMAT = "tandemrl.simple_data_plane"
 SNAPSHOT_VERSION = 1
-MANIFEST_NAME = "manifest.json"
 
 
 _MISSING_TQ = (
@@ -590,25 +590,10 @@ def _show(keys: list[str], limit: int = 20) -> str:
 
 
 def _read_manifest(directory: Path) -> dict[str, Any]:
-    if is_temporary_name(directory.name):
-        raise DataPlaneError(
-            f"simple data plane load: {directory} is an unpublished (interrupted) snapshot directory"
-        )
-    manifest_path = directory / MANIFEST_NAME
-    if not manifest_path.is_file():
-        raise DataPlaneError(
-            f"simple data plane load: {manifest_path} is missing (not a published snapshot)"
-        )
+    manifest_path, manifest = read_snapshot_manifest(
+        directory, backend="simple", snapshot_format=SNAPSHOT_FORMAT, version=SNAPSHOT_VERSION
+    )
     try:
-        manifest = json.loads(manifest_path.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise DataPlaneError(f"simple data plane load: {manifest_path} is corrupt ({exc})") from exc
-    try:
-        if manifest["format"] != SNAPSHOT_FORMAT or manifest["version"] != SNAPSHOT_VERSION:
-            raise DataPlaneError(
-                f"simple data plane load: {manifest_path} has format {manifest['format']!r} "
-                f"v{manifest['version']}, expected {SNAPSHOT_FORMAT!r} v{SNAPSHOT_VERSION}"
-            )
         for entry in manifest["rows"].values():
             if entry["file"] not in manifest["files"]:
                 raise DataPlaneError(

@@ -48,7 +48,11 @@ from tandemrl.rollout.failures import (
     backoff_delay,
     classify,
 )
-from tandemrl.rollout.generation_pool import GenerationPool, NoGenerationWorkers
+from tandemrl.rollout.generation_pool import (
+    GenerationPool,
+    NoGenerationWorkers,
+    within_awake_time,
+)
 from tandemrl.rollout.ledger import OwnershipLedger, StagedSibling, UnfinishedGroup
 
 log = logging.getLogger(__name__)
@@ -280,23 +284,21 @@ class RolloutManager:
         """One generation call, bounded by rollout_timeout_s of awake time."""
         timeout = self.failure_cfg.rollout_timeout_s
         assert timeout is not None  # without one, _generate_all_siblings calls the pool itself
-        call = asyncio.ensure_future(self.generation.generate(requests))
-        frozen_at_start = await self.generation.frozen_time()
-        remaining = timeout
-        while True:
-            done, _ = await asyncio.wait({call}, timeout=remaining)
-            if done:
-                return call.result()
-            frozen = await self.generation.frozen_time() - frozen_at_start
-            awake_elapsed = time.monotonic() - attempt_started - frozen
-            if awake_elapsed >= timeout:
-                call.cancel()
-                await self.generation.abort([r.request_id for r in requests])
-                raise TimeoutError(
-                    f"rollout of prompt group {group.group_id} exceeded "
-                    f"async_rl.rollout_failure.rollout_timeout_s={timeout} (awake time)"
-                )
-            remaining = timeout - awake_elapsed
+
+        async def timed_out() -> TimeoutError:
+            await self.generation.abort([r.request_id for r in requests])
+            return TimeoutError(
+                f"rollout of prompt group {group.group_id} exceeded "
+                f"async_rl.rollout_failure.rollout_timeout_s={timeout} (awake time)"
+            )
+
+        return await within_awake_time(
+            self.generation.generate(requests),
+            timeout_s=timeout,
+            frozen_time=self.generation.frozen_time,
+            timed_out=timed_out,
+            started=attempt_started,
+        )
 
     def _score_all(
         self, group: UnfinishedGroup, results: list[GenerationResult]
