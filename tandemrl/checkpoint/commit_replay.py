@@ -268,13 +268,7 @@ def _apply_cursor(controller: Any, cursor: dict[str, Any], source: str) -> None:
             requeued=requeued[len(requeued) - keep :],
         )
         controller.dataloader.load_state_dict(loader_state)
-        dispatch = dict(cursor["dispatch"])
-        restored = controller.sampler.dispatch_state()
-        if "lookahead_versions" in dispatch and "lookahead_versions" in restored:
-            # The lookahead follows the trainer's step (PPO warm-up), which went back to the
-            # bundle's: keep the bundle's, take only the admission count and credits.
-            dispatch["lookahead_versions"] = restored["lookahead_versions"]
-        controller.sampler.load_dispatch_state(dispatch)
+        controller.sampler.load_dispatch_state(dict(cursor["dispatch"]))
         controller.state.dropped_for_step.clear()
         controller.state.dropped_for_step.update(
             {int(step): int(count) for step, count in cursor["dropped_for_step"].items()}

@@ -1,6 +1,5 @@
 """Configuration: typed models, YAML loading with interpolation and overrides, validation."""
 
-from tandemrl.config.capacity import required_buffer_capacity
 from tandemrl.config.loader import config_to_dict, load_config
 from tandemrl.config.models import MasterConfig
 from tandemrl.config.validate import ConfigError, validate_single_controller_config
@@ -10,6 +9,5 @@ __all__ = [
     "MasterConfig",
     "config_to_dict",
     "load_config",
-    "required_buffer_capacity",
     "validate_single_controller_config",
 ]

@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from tandemrl.config.capacity import GATED_SAMPLER_MODES, required_buffer_capacity
 from tandemrl.config.models import CustomSamplerConfig, MasterConfig
 from tandemrl.config.weight_sync import facts_from_config, weight_sync_problems
 
@@ -24,7 +23,6 @@ from tandemrl.config.weight_sync import facts_from_config, weight_sync_problems
 NATIVE_SAVE_BACKENDS = ("local", "simple")
 RESTORE_MODES = ("latest", "trainer_checkpoint")
 SUPPORTED_GENERATION_BACKENDS = ("torch", "vllm", "fake")
-BUILTIN_SAMPLER_MODES = ("in_order", "weight_fifo", "ready_first", "windowed")
 
 
 class ConfigError(ValueError):
@@ -56,6 +54,9 @@ class _Checker:
         self.sampler = cfg.async_rl.sampler
         # The imported class of a custom sampler (None when it failed to import).
         self._custom_class: type | None = None
+        # The built-in sampler the config describes (None: custom, or not built yet), asked
+        # for its rules: capacity, gate, off-policy data.
+        self._builtin: Any = None
 
     def error(self, message: str) -> None:
         self.errors.append(message)
@@ -92,11 +93,37 @@ class _Checker:
                 message = f"async_rl.sampler.target: {message}"
             self.error(message)
 
+    def builtin_sampler(self, algo: str) -> Any:
+        """The built-in sampler the config describes, to ask for its rules; None for custom."""
+        if isinstance(self.sampler, CustomSamplerConfig):
+            return None
+        if self._builtin is None:
+            from tandemrl.samplers import builtin_sampler
+
+            ppo = self.cfg.ppo if algo == "ppo" else None
+            self._builtin = builtin_sampler(
+                self.sampler,
+                groups_per_step=self.cfg.algorithm.num_prompts_per_step,
+                policy_training_start_step=0 if ppo is None else ppo.policy_training_start_step,
+            )
+        return self._builtin
+
+    @staticmethod
+    def sampler_is_gated(builtin: Any) -> bool:
+        """Whether a built-in sampler gates dispatch on the trainer version."""
+        from tandemrl.samplers import GatedSampler
+
+        return isinstance(builtin, GatedSampler)
+
     def sampler_declares(self, attribute: str) -> bool:
-        """Built-in samplers declare every capability; a custom class must set it to True."""
-        if self.sampler.name in BUILTIN_SAMPLER_MODES:
-            return True
-        return self._custom_class is not None and getattr(self._custom_class, attribute, False)
+        """Whether the sampler class declares a capability (True); a custom class must set it."""
+        if isinstance(self.sampler, CustomSamplerConfig):
+            sampler_class = self._custom_class
+        else:
+            from tandemrl.samplers import BUILTIN_SAMPLERS
+
+            sampler_class = BUILTIN_SAMPLERS[self.sampler.name]
+        return sampler_class is not None and bool(getattr(sampler_class, attribute, False))
 
     # ------------------------------------------------------------------ backends
 
@@ -189,7 +216,7 @@ class _Checker:
         self.check_batch_sizes(algo)
         self.check_streaming(algo)
         self.check_buffer_and_inflight(algo)
-        self.check_importance_sampling()
+        self.check_importance_sampling(algo)
         if algo == "ppo":
             self.check_ppo()
         else:
@@ -293,8 +320,10 @@ class _Checker:
         sampler = self.sampler
         n_prompts = self.cfg.algorithm.num_prompts_per_step
         min_groups = async_rl.min_groups_for_streaming_train
-        if sampler.name in BUILTIN_SAMPLER_MODES:
-            required = required_buffer_capacity(sampler, n_prompts)
+        # A custom sampler is built, and asked, at setup (tandemrl.controller.build).
+        builtin = self.builtin_sampler(algo)
+        if builtin is not None:
+            required = builtin.required_buffer_capacity(n_prompts)
             if async_rl.max_buffered_rollouts < required:
                 self.error(
                     f"async_rl.max_buffered_rollouts: {async_rl.max_buffered_rollouts} is below "
@@ -305,7 +334,7 @@ class _Checker:
                 )
         if async_rl.max_inflight_prompts < 1:
             self.error("async_rl.max_inflight_prompts: must be at least 1")
-        elif sampler.name in GATED_SAMPLER_MODES and async_rl.max_inflight_prompts < min_groups:
+        elif self.sampler_is_gated(builtin) and async_rl.max_inflight_prompts < min_groups:
             self.error(
                 f"async_rl.max_inflight_prompts: {async_rl.max_inflight_prompts} is below "
                 f"async_rl.min_groups_for_streaming_train ({min_groups}); under the gated "
@@ -313,21 +342,12 @@ class _Checker:
                 f"max_inflight_prompts to at least {min_groups}"
             )
 
-    def check_importance_sampling(self) -> None:
-        sampler = self.sampler
-        if sampler.name == "in_order":
-            lookahead = max(sampler.max_lookahead_versions, sampler.warmup_lookahead_versions or 0)
-            off_policy = lookahead > 0
-            knob = "async_rl.sampler.max_lookahead_versions"
-        elif sampler.name in ("weight_fifo", "windowed"):
-            off_policy = sampler.max_staleness_versions > 0
-            knob = "async_rl.sampler.max_staleness_versions"
-        elif sampler.name == "ready_first":
-            off_policy = True
-            knob = "async_rl.sampler.name (ready_first trains late stragglers)"
-        else:
+    def check_importance_sampling(self, algo: str) -> None:
+        builtin = self.builtin_sampler(algo)
+        if builtin is None:
             return
-        if off_policy and not self.cfg.loss_fn.use_importance_sampling_correction:
+        knob = builtin.off_policy_reason()
+        if knob is not None and not self.cfg.loss_fn.use_importance_sampling_correction:
             self.error(
                 "loss_fn.use_importance_sampling_correction: must be true because the sampler "
                 f"admits off-policy data ({knob}); set it to true, or make the sampler "
@@ -420,7 +440,7 @@ class _Checker:
     def check_checkpointing(self) -> None:
         cfg = self.cfg
         ckpt = cfg.checkpointing
-        builtin = self.sampler.name in BUILTIN_SAMPLER_MODES
+        builtin = not isinstance(self.sampler, CustomSamplerConfig)
         if ckpt.enabled and builtin and not ckpt.save_data_plane:
             self.error(
                 "checkpointing.save_data_plane: must be true when checkpointing.enabled is true "

@@ -22,6 +22,7 @@ from tandemrl.checkpoint.layout import JOURNAL
 from tandemrl.checkpoint.writer import CheckpointWriter
 from tandemrl.codec import TextCodec
 from tandemrl.config.models import MasterConfig
+from tandemrl.config.validate import ConfigError
 from tandemrl.controller.ppo_step import PPOStepRunner
 from tandemrl.controller.single_controller import ControllerSettings, SingleController, StepHook
 from tandemrl.controller.step_runner import GRPOStepRunner, StepRunner
@@ -34,7 +35,7 @@ from tandemrl.rollout.failures import FailureBudgets
 from tandemrl.rollout.generation_pool import GenerationPool
 from tandemrl.rollout.ledger import OwnershipLedger
 from tandemrl.rollout.manager import RolloutManager, SamplingParams
-from tandemrl.samplers import create_sampler
+from tandemrl.samplers import PromptGroupSampler, create_sampler
 
 
 @dataclass
@@ -59,18 +60,15 @@ def make_step_runner(
     *,
     pad_token_id: int,
     value_trainer: Any = None,
-    sampler: Any = None,
 ) -> StepRunner:
     """GRPO: ``GRPOStepRunner``. PPO: ``PPOStepRunner`` over the policy and the critic
-    (``value_trainer``); it retunes ``sampler``'s lookahead when the critic warm-up ends."""
+    (``value_trainer``)."""
     if cfg.is_ppo:
         if value_trainer is None:
             raise ValueError(
                 "a PPO run needs a critic: pass value_trainer (ControllerParts.value_trainer)"
             )
-        return PPOStepRunner.from_config(
-            cfg, trainer, value_trainer, pad_token_id=pad_token_id, sampler=sampler
-        )
+        return PPOStepRunner.from_config(cfg, trainer, value_trainer, pad_token_id=pad_token_id)
     algo = cfg.algorithm
     return GRPOStepRunner(
         trainer,
@@ -117,8 +115,12 @@ def build_controller(
         group_size=algo.num_generations_per_prompt, capacity=cfg.async_rl.max_buffered_rollouts
     )
     sampler = create_sampler(
-        cfg.async_rl.sampler, buffer, groups_per_step=algo.num_prompts_per_step
+        cfg.async_rl.sampler,
+        buffer,
+        groups_per_step=algo.num_prompts_per_step,
+        policy_training_start_step=0 if cfg.ppo is None else cfg.ppo.policy_training_start_step,
     )
+    check_buffer_capacity(sampler, cfg)
     data_plane = parts.data_plane or create_data_plane(cfg.data_plane)
     dataloader = parts.dataloader or PromptDataLoader.from_config(
         cfg.data, max_num_epochs=algo.max_num_epochs
@@ -186,7 +188,6 @@ def build_controller(
             parts.trainer,
             pad_token_id=parts.codec.pad_token_id,
             value_trainer=parts.value_trainer,
-            sampler=sampler,
         ),
         weight_sync=_weight_sync(parts, pool),
         barrier=barrier,
@@ -196,6 +197,25 @@ def build_controller(
         watchdog_cfg=cfg.async_rl.stall_watchdog,
         commit_log=commit_log,
     )
+
+
+def check_buffer_capacity(sampler: PromptGroupSampler, cfg: MasterConfig) -> None:
+    """Refuse a buffer smaller than the sampler needs: the rollout pump would deadlock.
+
+    Validation asks a built-in sampler before anything starts; a custom sampler's class is
+    only built here, so this is where its declared capacity is checked (every sampler is
+    asked, by the same rule).
+    """
+    groups_per_step = cfg.algorithm.num_prompts_per_step
+    required = sampler.required_buffer_capacity(groups_per_step)
+    buffered = cfg.async_rl.max_buffered_rollouts
+    if buffered < required:
+        raise ConfigError(
+            f"async_rl.max_buffered_rollouts: {buffered} is below the {sampler.name} sampler's "
+            f"required capacity {required} (its required_buffer_capacity("
+            f"{groups_per_step})) — the rollout pump would deadlock; raise it to at least "
+            f"{required}"
+        )
 
 
 def _weight_sync(parts: ControllerParts, pool: GenerationPool) -> WeightSynchronizer:

@@ -105,7 +105,7 @@ class StructuralSamplerAdapter(PromptGroupSampler):
     """Gives a structurally typed custom sampler the base class's hooks.
 
     The five required calls go to the wrapped object. Optional hooks (notify, close,
-    on_group_removed, set_lookahead, dispatch_state, load_dispatch_state) go to it when it has
+    on_group_removed, lookahead_at, dispatch_state, load_dispatch_state) go to it when it has
     them, and fall back to the base behaviour otherwise. Capability flags are the wrapped
     class's (False when it does not declare them).
     """
@@ -176,10 +176,11 @@ class StructuralSamplerAdapter(PromptGroupSampler):
             self.inner.on_group_removed(slot)
         super().on_group_removed(slot)
 
-    def set_lookahead(self, versions: int) -> None:
-        if not callable(getattr(self.inner, "set_lookahead", None)):
-            super().set_lookahead(versions)
-        self.inner.set_lookahead(versions)
+    def lookahead_at(self, trainer_version: int) -> int | None:
+        if not callable(getattr(self.inner, "lookahead_at", None)):
+            return super().lookahead_at(trainer_version)
+        lookahead = self.inner.lookahead_at(trainer_version)
+        return None if lookahead is None else int(lookahead)
 
     def dispatch_state(self) -> dict[str, Any]:
         state = super().dispatch_state()

@@ -10,7 +10,6 @@ an in-flight group older than the window should be aborted, since it can never b
 from __future__ import annotations
 
 from tandemrl.buffer import ReplayBuffer, Slot
-from tandemrl.config.capacity import required_buffer_capacity
 from tandemrl.config.models import WindowedSamplerConfig
 from tandemrl.samplers.base import PromptGroupSampler, Selection
 
@@ -29,11 +28,6 @@ class WindowedSampler(PromptGroupSampler):
         sample_freshest_first: bool = False,
     ) -> None:
         super().__init__(buffer, groups_per_step=groups_per_step)
-        self.config = WindowedSamplerConfig(
-            name="windowed",
-            max_staleness_versions=max_staleness_versions,
-            sample_freshest_first=sample_freshest_first,
-        )
         self.max_staleness_versions = max_staleness_versions
         self.sample_freshest_first = sample_freshest_first
 
@@ -73,4 +67,10 @@ class WindowedSampler(PromptGroupSampler):
         return start_weight < self.oldest_trainable_weight(current_train_weight)
 
     def required_buffer_capacity(self, groups_per_step: int) -> int:
-        return required_buffer_capacity(self.config, groups_per_step)
+        """One full step: dispatch is not gated, anything above is over-sampling headroom."""
+        return groups_per_step
+
+    def off_policy_reason(self) -> str | None:
+        if self.max_staleness_versions > 0:
+            return "async_rl.sampler.max_staleness_versions"
+        return None

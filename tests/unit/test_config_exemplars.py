@@ -9,9 +9,9 @@ import pytest
 from tandemrl.config import (
     MasterConfig,
     load_config,
-    required_buffer_capacity,
     validate_single_controller_config,
 )
+from tandemrl.samplers import required_buffer_capacity
 
 CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "configs"
 EXEMPLARS = sorted(CONFIGS.glob("*.yaml"))
