@@ -9,7 +9,7 @@ that all violations can be reported together.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
@@ -303,7 +303,11 @@ SamplerConfig = Annotated[
     Field(discriminator="name"),
 ]
 
-SAMPLER_MODES = ("in_order", "weight_fifo", "ready_first", "windowed", "custom")
+# The modes' names, as the config classes above spell them (for messages).
+SAMPLER_MODES: tuple[str, ...] = tuple(
+    get_args(model.model_fields["name"].annotation)[0]
+    for model in get_args(get_args(SamplerConfig)[0])
+)
 
 
 class RolloutFailureConfig(Strict):
