@@ -54,7 +54,7 @@ def _leftovers(checkpoint_dir: Path) -> list[str]:
 
 def _rollout_summary(directory: Path) -> dict[str, Any]:
     state = read_rollout_state(directory)
-    committed = [] if state.replay_index is None else state.replay_index["buffer"]["groups"]
+    committed = [] if state.replay_index is None else state.replay_index["groups"]
     unfinished = unfinished_groups(state)
     return {
         "sampler": state.sampler.get("name"),

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from tandemrl.checkpoint.restore import RestorePlan, resume
+from tandemrl.checkpoint.restore import RestorePlan
 from tandemrl.codec import text_codec
 from tandemrl.config.models import MasterConfig
 from tandemrl.controller.build import ControllerParts, build_controller
@@ -100,7 +100,7 @@ class SingleControllerActor:
     async def run(self) -> list[dict[str, float]]:
         self.controller = self._build()
         self._run_task = asyncio.current_task()
-        await resume(self.controller, self.restore_plan)
+        await self.controller.resume(self.restore_plan)
         return await self.controller.run()
 
     async def progress(self, since: int) -> list[dict[str, float]]:

@@ -16,10 +16,10 @@ from typing import Any
 from tandemrl.barrier import CheckpointBarrier
 from tandemrl.buffer import ReplayBuffer
 from tandemrl.checkpoint.commit_log import CommitLog
-from tandemrl.checkpoint.commit_replay import commit_log_dir
+from tandemrl.checkpoint.commit_replay import CommitLogEvents, commit_log_dir
 from tandemrl.checkpoint.journal import RunJournal
-from tandemrl.checkpoint.layout import JOURNAL
-from tandemrl.checkpoint.writer import CheckpointWriter
+from tandemrl.checkpoint.layout import JOURNAL, POLICY_DIR, VALUE_DIR
+from tandemrl.checkpoint.writer import CheckpointedModel, CheckpointWriter
 from tandemrl.codec import TextCodec
 from tandemrl.config.models import MasterConfig
 from tandemrl.config.validate import ConfigError
@@ -35,6 +35,7 @@ from tandemrl.rollout.failures import FailureBudgets
 from tandemrl.rollout.generation_pool import GenerationPool
 from tandemrl.rollout.ledger import OwnershipLedger
 from tandemrl.rollout.manager import RolloutManager, SamplingParams
+from tandemrl.run_state import ControllerState, RunState
 from tandemrl.samplers import PromptGroupSampler, create_sampler
 
 
@@ -133,7 +134,50 @@ def build_controller(
         # One engine batch per call, so early groups still come back early.
         max_requests_per_call=cfg.policy.generation.max_batch_size,
     )
+    run_state = RunState(
+        controller=ControllerState(),
+        buffer=buffer,
+        sampler=sampler,
+        ledger=OwnershipLedger(cfg.rollout_recovery, token_capture=cfg.token_capture.enabled),
+        budgets=FailureBudgets(failure),
+        dataloader=dataloader,
+    )
     barrier = CheckpointBarrier()
+    checkpointer = journal = commit_log = events = None
+    if cfg.checkpointing.enabled:
+        checkpoint_dir = Path(cfg.checkpointing.checkpoint_dir)
+        authoritative = sampler.supports_buffer_checkpoint
+        journal = RunJournal(checkpoint_dir / JOURNAL)
+        # Only over an authoritative replay index: shadow mode regenerates committed groups.
+        if (
+            cfg.rollout_checkpointing.commit_log
+            and authoritative
+            and cfg.checkpointing.save_data_plane
+        ):
+            commit_log = CommitLog(commit_log_dir(checkpoint_dir))
+        models: dict[str, CheckpointedModel] = {POLICY_DIR: parts.trainer}
+        if cfg.is_ppo and parts.value_trainer is not None:
+            models[VALUE_DIR] = parts.value_trainer
+        checkpointer = CheckpointWriter(
+            cfg,
+            model_path=model_path,
+            authoritative=authoritative,
+            run=run_state,
+            data_plane=data_plane,
+            barrier=barrier,
+            models=models,
+            commit_log=commit_log,
+        )
+        # The pumps report ownership changes once: to the log, which hands them to the
+        # journal, or to the journal alone.
+        events = journal
+        if commit_log is not None:
+            events = CommitLogEvents(
+                commit_log,
+                run_state,
+                records_reserve=failure.on_dropped_prompt == "replace",
+                journal=journal,
+            )
     generation_cfg = cfg.policy.generation
     stop_ids = tuple(generation_cfg.stop_token_ids)
     if parts.codec.eos_token_id is not None and parts.codec.eos_token_id not in stop_ids:
@@ -152,33 +196,17 @@ def build_controller(
         ),
         group_size=algo.num_generations_per_prompt,
         failure_cfg=failure,
-        ledger=OwnershipLedger(cfg.rollout_recovery, token_capture=cfg.token_capture.enabled),
-        budgets=FailureBudgets(failure),
+        ledger=run_state.ledger,
+        budgets=run_state.budgets,
         barrier=barrier,
         overlong_filtering=algo.overlong_filtering,
         seed=algo.seed,
+        events=events,
     )
-    checkpointer = journal = commit_log = None
-    if cfg.checkpointing.enabled:
-        checkpointer = CheckpointWriter(
-            cfg,
-            model_path=model_path,
-            authoritative=bool(getattr(sampler, "supports_buffer_checkpoint", False)),
-        )
-        journal = RunJournal(Path(cfg.checkpointing.checkpoint_dir) / JOURNAL)
-        # Only over an authoritative replay index: shadow mode regenerates committed groups.
-        if (
-            cfg.rollout_checkpointing.commit_log
-            and checkpointer.authoritative
-            and cfg.checkpointing.save_data_plane
-        ):
-            commit_log = CommitLog(commit_log_dir(Path(cfg.checkpointing.checkpoint_dir)))
     return SingleController(
         settings=controller_settings(cfg),
-        buffer=buffer,
-        sampler=sampler,
+        run_state=run_state,
         data_plane=data_plane,
-        dataloader=dataloader,
         rollout_manager=manager,
         generation=pool,
         trainer=parts.trainer,
@@ -192,10 +220,11 @@ def build_controller(
         weight_sync=_weight_sync(parts, pool),
         barrier=barrier,
         step_hooks=step_hooks,
+        events=events,
         checkpointer=checkpointer,
         journal=journal,
-        watchdog_cfg=cfg.async_rl.stall_watchdog,
         commit_log=commit_log,
+        watchdog_cfg=cfg.async_rl.stall_watchdog,
     )
 
 

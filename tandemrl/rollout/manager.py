@@ -17,6 +17,10 @@ rollout:
    checkpoint barrier, so a snapshot never sees rows without their index entry or the
    reverse.
 
+It reports ``staged`` (after each generation round that finished siblings) and ``committed``
+(between the rows and the ready slot) to the ``OwnershipEvents`` it was built with
+(``tandemrl.rollout.events``); the controller reports the rest.
+
 A group whose retries run out is dropped: its slot and any rows are removed, the ledger
 forgets it and the drop budgets are charged (``RolloutDropped`` is raised to the pump, which
 decides between shrink and replace).
@@ -28,7 +32,6 @@ import asyncio
 import logging
 import time
 import zlib
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -39,6 +42,7 @@ from tandemrl.dataplane.base import DataPlane, RowBlock
 from tandemrl.dataplane.rows import make_group_block
 from tandemrl.envs.base import Environment
 from tandemrl.records import EnvResult, GenerationRequest, GenerationResult, PromptItem, RowMeta
+from tandemrl.rollout.events import OwnershipEvents
 from tandemrl.rollout.failures import (
     DataFailure,
     FailureBudgets,
@@ -117,7 +121,7 @@ class RolloutManager:
         barrier: CheckpointBarrier,
         overlong_filtering: bool = False,
         seed: int = 0,
-        on_change: Callable[[], None] = lambda: None,
+        events: OwnershipEvents | None = None,
     ) -> None:
         self.buffer = buffer
         self.data_plane = data_plane
@@ -132,19 +136,12 @@ class RolloutManager:
         self.barrier = barrier
         self.overlong_filtering = overlong_filtering
         self.seed = seed
-        self.on_change = on_change
+        # The journal and/or the commit log; None when neither is on.
+        self.events = events
         self.generated_siblings = 0  # completions produced by the engines (metrics, chaos proofs)
         self.reused_siblings = 0  # staged completions reused after a failure or restart
-        # Prompts of committed, unconsumed groups (shadow-mode checkpoints regenerate them).
-        self.committed_items: dict[str, PromptItem] = {}
-        # Called after each commit with the group and the siblings generated fresh for it.
-        self.on_commit: Callable[[UnfinishedGroup, list[int]], None] | None = None
         # Requests of each group's generation call in flight (to abort them on the engine).
         self.active_requests: dict[str, list[GenerationRequest]] = {}
-        # Called after each generation round with the siblings it finished (journal, log).
-        self.on_staged: Callable[[UnfinishedGroup, list[int]], None] | None = None
-        # tandemrl.checkpoint.commit_replay.CommitRecorder; None when the commit log is off.
-        self.commit_recorder = None
 
     # ------------------------------------------------------------------ dispatch
 
@@ -153,7 +150,7 @@ class RolloutManager:
     ) -> UnfinishedGroup:
         """Append the group's buffer slot and open it in the ledger (synchronous, no await)."""
         group_id = item.prompt_id
-        self.buffer.reserve(group_id, start_weight=start_weight, target_step=target_step)
+        self.buffer.reserve(group_id, start_weight, target_step, item)
         return self.ledger.open(
             item, group_id=group_id, target_step=target_step, start_weight=start_weight
         )
@@ -168,7 +165,10 @@ class RolloutManager:
         if not group.staged:
             group.start_weight = current_weight
         self.buffer.reserve(
-            group.group_id, start_weight=group.start_weight, target_step=group.target_step
+            group.group_id,
+            start_weight=group.start_weight,
+            target_step=group.target_step,
+            item=group.item,
         )
         return group
 
@@ -177,7 +177,7 @@ class RolloutManager:
         reused = set(group.staged)
         try:
             await self._generate_all_siblings(group)
-            await self._push_and_commit(group)
+            await self._push_and_commit(group, reused)
         except RolloutDropped as dropped:
             dropped.slot = await self._drop(group)
             self.budgets.record_drop(dropped.record)
@@ -186,9 +186,6 @@ class RolloutManager:
             await self._drop(group)
             raise
         self.budgets.record_commit()
-        if self.on_commit is not None:
-            self.on_commit(group, [i for i in range(self.group_size) if i not in reused])
-        self.on_change()
 
     # ------------------------------------------------------------------ generation
 
@@ -273,8 +270,8 @@ class RolloutManager:
                     continue
                 group.staged[sibling] = StagedSibling(result, outcome)
                 finished.append(sibling)
-            if finished and self.on_staged is not None:
-                self.on_staged(group, finished)
+            if finished and self.events is not None:
+                self.events.staged(group, finished)
             if failed_any and group.granularity == "prompt_group":
                 group.discard_staged()
 
@@ -409,19 +406,22 @@ class RolloutManager:
         )
         return block, metas
 
-    async def _push_and_commit(self, group: UnfinishedGroup) -> None:
+    async def _push_and_commit(self, group: UnfinishedGroup, reused: set[int]) -> None:
+        """``reused``: siblings staged before this attempt (not generated fresh by it)."""
         block, metas = self._rows(group)
         end_weight = max([meta.end_weight_version for meta in metas])
         async with self.barrier.mutation():
             # Rows first, then the slot flips ready: a ready slot always has its rows.
             await self.data_plane.put_block(block)
-            if self.commit_recorder is not None:
-                # Durable before the slot turns ready: a trainable group survives any crash.
+            if self.events is not None:
+                # The commit log returns once durable: a trainable group survives any crash.
+                fresh = [i for i in range(self.group_size) if i not in reused]
                 slot = self.buffer.slot(group.group_id)
-                await self.commit_recorder.committed(group, slot, end_weight)
+                await self.events.committed(
+                    group, slot, end_weight=end_weight, fresh_siblings=fresh
+                )
             self.buffer.commit(group.group_id, metas, end_weight=end_weight)
             self.ledger.close(group.group_id)
-            self.committed_items[group.group_id] = group.item
 
     async def write_replayed_rows(self, group: UnfinishedGroup) -> list[RowMeta]:
         """Commit-log replay: write a committed group's rows again (the rows
@@ -443,5 +443,4 @@ class RolloutManager:
             await self.data_plane.clear(slot.sample_ids)
             self.ledger.close(group.group_id)
             self.active_requests.pop(group.group_id, None)
-        self.on_change()
         return slot
