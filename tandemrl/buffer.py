@@ -210,7 +210,7 @@ class ReplayBuffer:
             raise ReplayBufferError(f"remove: group {group_id!r} is not live ({where})")
         return slot
 
-    def promote_ready_group(self, group_id: str, target_step: int) -> Slot:
+    def promote_ready_group(self, group_id: str, target_step: int | None) -> Slot:
         """Re-stamp a ready group's ``target_step`` (in_order replacement).
 
         When a group of step ``s`` is dropped and the run replaces drops, a ready group meant

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from tandemrl.barrier import CheckpointBarrier
 from tandemrl.buffer import ReplayBuffer
@@ -31,6 +31,7 @@ from tandemrl.data.dataloader import PromptDataLoader
 from tandemrl.dataplane import create_data_plane
 from tandemrl.dataplane.base import DataPlane
 from tandemrl.envs.base import Environment
+from tandemrl.rollout.events import OwnershipEvents
 from tandemrl.rollout.failures import FailureBudgets
 from tandemrl.rollout.generation_pool import GenerationPool
 from tandemrl.rollout.ledger import OwnershipLedger
@@ -70,7 +71,8 @@ def make_step_runner(
                 "a PPO run needs a critic: pass value_trainer (ControllerParts.value_trainer)"
             )
         return PPOStepRunner.from_config(cfg, trainer, value_trainer, pad_token_id=pad_token_id)
-    algo = cfg.algorithm
+    algo = cfg.grpo
+    assert algo is not None  # validation: exactly one of grpo:/ppo:
     return GRPOStepRunner(
         trainer,
         group_size=algo.num_generations_per_prompt,
@@ -143,7 +145,10 @@ def build_controller(
         dataloader=dataloader,
     )
     barrier = CheckpointBarrier()
-    checkpointer = journal = commit_log = events = None
+    checkpointer: CheckpointWriter | None = None
+    journal: RunJournal | None = None
+    commit_log: CommitLog | None = None
+    events: OwnershipEvents | None = None
     if cfg.checkpointing.enabled:
         checkpoint_dir = Path(cfg.checkpointing.checkpoint_dir)
         authoritative = sampler.supports_buffer_checkpoint
@@ -248,11 +253,12 @@ def check_buffer_capacity(sampler: PromptGroupSampler, cfg: MasterConfig) -> Non
 
 
 def _weight_sync(parts: ControllerParts, pool: GenerationPool) -> WeightSynchronizer:
-    if parts.weight_sync is None:
+    given = parts.weight_sync
+    if given is None:
         return DirectWeightSync(parts.trainer, pool)
-    if callable(parts.weight_sync) and not hasattr(parts.weight_sync, "sync"):
-        return parts.weight_sync(pool)
-    return parts.weight_sync
+    if hasattr(given, "sync"):
+        return cast(WeightSynchronizer, given)
+    return given(pool)
 
 
 def build_fake_controller(

@@ -38,13 +38,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
+from tandemrl.buffer import Slot
 from tandemrl.config.models import MasterConfig
 from tandemrl.config.validate import ppo_epoch_problems
 from tandemrl.controller.step_runner import collate_step_rows
@@ -55,6 +56,12 @@ from tandemrl.training.losses import AllMaskedStepError
 from tandemrl.training.worker_common import WORKER_STATE_FILE
 
 log = logging.getLogger(__name__)
+
+
+class OffloadingTrainer(Trainer, Protocol):
+    """The policy trainer of a PPO run: it can move its optimizer off the device."""
+
+    async def offload_optimizer(self) -> None: ...
 
 
 class WarmStartError(ValueError):
@@ -172,7 +179,7 @@ class PPOStepRunner:
 
     def __init__(
         self,
-        trainer: Trainer,
+        trainer: OffloadingTrainer,
         value_trainer: ValueTrainer,
         *,
         settings: PPOSettings,
@@ -194,8 +201,8 @@ class PPOStepRunner:
         self._warm_start = warm_start
         self._warm_start_checked = False
         self._version: int | None = None
-        self._slots: list[Any] = []
-        self._rows: dict[str, dict[str, torch.Tensor]] = {}
+        self._slots: list[Slot] = []
+        self._rows: dict[str, Mapping[str, torch.Tensor]] = {}
         self._step_num_sequences = 0
         self._policy_trained = False
 
@@ -203,7 +210,7 @@ class PPOStepRunner:
     def from_config(
         cls,
         cfg: MasterConfig,
-        trainer: Trainer,
+        trainer: OffloadingTrainer,
         value_trainer: ValueTrainer,
         *,
         pad_token_id: int,
@@ -233,7 +240,11 @@ class PPOStepRunner:
         self._policy_trained = False
 
     async def train_chunk(
-        self, slots: list[Any], rows: dict[str, dict[str, torch.Tensor]], *, step_num_sequences: int
+        self,
+        slots: list[Slot],
+        rows: Mapping[str, Mapping[str, torch.Tensor]],
+        *,
+        step_num_sequences: int,
     ) -> None:
         if self._version is None:
             raise RuntimeError("train_chunk called before begin")

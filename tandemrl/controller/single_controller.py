@@ -352,8 +352,10 @@ class SingleController:
                 self.last_progress_at = time.monotonic()
             except RolloutDropped as dropped:
                 self._acc.dropped_prompts += 1
+                slot = dropped.slot
+                assert slot is not None  # the manager removed it before re-raising
                 try:
-                    self._after_drop(group, dropped.slot)
+                    self._after_drop(group, slot)
                 finally:
                     self._log_dropped(group)
             except GroupAborted:
@@ -443,7 +445,7 @@ class SingleController:
     async def _train_one_step(self) -> bool:
         version = self.trainer_version
         groups_wanted = self._groups_for_step(version)
-        claimed: list[Any] = []
+        claimed: list[Slot] = []
         began = False
         while len(claimed) < groups_wanted:
             await self._evict(version)
@@ -516,8 +518,11 @@ class SingleController:
     def _on_tail_done(self, task: asyncio.Task[None]) -> None:
         # A failed tail (a sync error, a hook) ends the run at once, even while the train pump
         # waits for data that a failed sync would never let generation produce.
-        if not task.cancelled() and task.exception() is not None:
-            self._end_run_with(task.exception())
+        if task.cancelled():
+            return
+        failure = task.exception()
+        if failure is not None:
+            self._end_run_with(failure)
 
     def _end_run_with(self, exc: BaseException) -> None:
         """``run`` re-raises ``exc`` (the first such failure wins) and shuts down."""
@@ -541,7 +546,7 @@ class SingleController:
             self._notify()
 
     async def _train_chunk(
-        self, slots: list[Any], version: int, *, step_num_sequences: int
+        self, slots: list[Slot], version: int, *, step_num_sequences: int
     ) -> None:
         rows = await self.data_plane.get([sid for slot in slots for sid in slot.sample_ids])
         await self.step_runner.train_chunk(slots, rows, step_num_sequences=step_num_sequences)
@@ -559,7 +564,7 @@ class SingleController:
             self._acc.groups.append(trained)
             self.trained_groups.append((self.state.step, trained))
 
-    async def _close_step(self, claimed: list[Any]) -> None:
+    async def _close_step(self, claimed: list[Slot]) -> None:
         """Consume the step's groups and advance the step and trainer version as one unit.
 
         Done under the barrier: a snapshot sees either the step open (its groups selectable
@@ -578,7 +583,7 @@ class SingleController:
         if self.events is not None:
             self.events.trained(self.state.step, group_ids)
 
-    async def _roll_back(self, claimed: list[Any]) -> None:
+    async def _roll_back(self, claimed: list[Slot]) -> None:
         if claimed:
             self.buffer.release_claims([slot.group_id for slot in claimed], consumed=False)
             self._notify()

@@ -42,6 +42,7 @@ from typing import Any, Protocol
 
 from tandemrl.rollout.generation_pool import GenerationPool, is_worker_death
 from tandemrl.transport.layout import WeightLayout, WeightSyncError
+from tandemrl.transport.process_group import WeightGroupAddress
 from tandemrl.transport.receiver import WeightLoader
 from tandemrl.transport.sender import FlatWeightSender, LocalWeightSender
 
@@ -286,15 +287,20 @@ class NcclWeightSync(_RemoteWeightSync):
                 ),
                 "opening the group",
             )
+
+            # This round's address and ranks, bound now (the loop may form a new group).
+            def join(
+                index: int,
+                engine: Any,
+                address: WeightGroupAddress = address,
+                ranks: dict[int, int] = ranks,
+            ) -> Any:
+                return engine.join_weight_group(address, rank=ranks[index], layout=layout)
+
             trainer_result, outcomes = await self._bounded(
                 asyncio.gather(
                     self.trainer.join_weight_group_as_sender(address),
-                    self.pool.call_each(
-                        lambda index, engine, address=address, ranks=ranks: (
-                            engine.join_weight_group(address, rank=ranks[index], layout=layout)
-                        ),
-                        indices=members,
-                    ),
+                    self.pool.call_each(join, indices=members),
                     return_exceptions=True,
                 ),
                 "joining the group",

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from tandemrl.barrier import CheckpointBarrier
+from tandemrl.buffer import ReplayBuffer, Slot
 from tandemrl.codec import TextCodec
 from tandemrl.config.models import RolloutFailureConfig
 from tandemrl.dataplane.base import DataPlane, RowBlock
@@ -108,7 +109,7 @@ class RolloutManager:
     def __init__(
         self,
         *,
-        buffer,  # tandemrl.buffer.ReplayBuffer
+        buffer: ReplayBuffer,
         data_plane: DataPlane,
         generation: GenerationPool,
         env: Environment,
@@ -437,7 +438,7 @@ class RolloutManager:
             await self.generation.abort([request.request_id for request in requests])
         await self._drop(group)
 
-    async def _drop(self, group: UnfinishedGroup):
+    async def _drop(self, group: UnfinishedGroup) -> Slot:
         async with self.barrier.mutation():
             slot = self.buffer.remove(group.group_id)
             await self.data_plane.clear(slot.sample_ids)

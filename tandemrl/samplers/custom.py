@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
-from typing import Any
+from typing import Any, cast
 
 from tandemrl.buffer import ReplayBuffer, Slot
 from tandemrl.samplers.base import (
@@ -134,7 +134,7 @@ class StructuralSamplerAdapter(PromptGroupSampler):
                     await asyncio.wait({inner_admit, wakeup}, return_when=asyncio.FIRST_COMPLETED)
                 finally:
                     wakeup.cancel()
-            return inner_admit.result()
+            return cast(int | None, inner_admit.result())
         finally:
             if not inner_admit.done():
                 inner_admit.cancel()
@@ -142,14 +142,15 @@ class StructuralSamplerAdapter(PromptGroupSampler):
     async def select(
         self, *, current_train_weight: int, min_prompt_groups: int, max_prompt_groups: int
     ) -> Selection:
-        return await self.inner.select(
+        selection = await self.inner.select(
             current_train_weight=current_train_weight,
             min_prompt_groups=min_prompt_groups,
             max_prompt_groups=max_prompt_groups,
         )
+        return cast(Selection, selection)
 
     async def evict(self, *, current_train_weight: int) -> list[Slot]:
-        return await self.inner.evict(current_train_weight=current_train_weight)
+        return cast(list[Slot], await self.inner.evict(current_train_weight=current_train_weight))
 
     def should_abort_inflight(self, *, start_weight: int, current_train_weight: int) -> bool:
         return bool(
