@@ -48,7 +48,7 @@ import torch
 from tandemrl.buffer import Slot
 from tandemrl.config.models import MasterConfig
 from tandemrl.config.validate import ppo_epoch_problems
-from tandemrl.controller.step_runner import collate_step_rows
+from tandemrl.controller.step_runner import StepRows, collate_step_rows
 from tandemrl.training.advantages import gae, sequence_rewards_to_tokens, whiten
 from tandemrl.training.api import TrainBatch, Trainer, ValueTrainer
 from tandemrl.training.batch import count_loss_tokens, loss_mask
@@ -240,11 +240,7 @@ class PPOStepRunner:
         self._policy_trained = False
 
     async def train_chunk(
-        self,
-        slots: list[Slot],
-        rows: Mapping[str, Mapping[str, torch.Tensor]],
-        *,
-        step_num_sequences: int,
+        self, slots: list[Slot], rows: StepRows, *, step_num_sequences: int
     ) -> None:
         if self._version is None:
             raise RuntimeError("train_chunk called before begin")

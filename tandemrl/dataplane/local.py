@@ -29,12 +29,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
 from tandemrl.dataplane.atomic import atomic_directory, write_file_synced
 from tandemrl.dataplane.base import BlockRow, DataPlane, DataPlaneError, Row, RowBlock, RowView
-from tandemrl.dataplane.manifest import MANIFEST_NAME, read_snapshot_manifest
+from tandemrl.dataplane.manifest import (
+    MANIFEST_NAME,
+    read_snapshot_manifest,
+    read_verified_tensors,
+)
 
 SNAPSHOT_FORMAT = "tandemrl.local_data_plane"
 SNAPSHOT_VERSION = 1
@@ -227,24 +230,9 @@ def read_snapshot(directory: Path) -> tuple[dict[str, Row], dict[str, str]]:
         ) from exc
 
     rows_path = directory / ROWS_FILE_NAME
-    if not rows_path.is_file():
-        raise DataPlaneError(f"local data plane load: {rows_path} is missing")
-    payload = rows_path.read_bytes()
-    if len(payload) != expected_size:
-        raise DataPlaneError(
-            f"local data plane load: {rows_path} is truncated or padded: {len(payload)} bytes, "
-            f"manifest says {expected_size}"
-        )
-    if hashlib.sha256(payload).hexdigest() != expected_sha:
-        raise DataPlaneError(
-            f"local data plane load: {rows_path} is corrupt (sha256 does not match the manifest)"
-        )
-    try:
-        tensors = safetensors_load(payload)
-    except Exception as exc:  # safetensors raises its own error types
-        raise DataPlaneError(
-            f"local data plane load: {rows_path} cannot be parsed ({exc})"
-        ) from exc
+    tensors = read_verified_tensors(
+        rows_path, backend="local", expected_bytes=expected_size, expected_sha256=expected_sha
+    )
 
     rows: dict[str, Row] = {}
     digests: dict[str, str] = {}

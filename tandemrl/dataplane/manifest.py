@@ -1,17 +1,22 @@
 """The manifest of a published data-plane snapshot: found, parsed and its format checked.
 
 Both backends that save snapshots (``local``, ``simple``) publish a directory atomically with
-a ``manifest.json`` naming its format and version; what the manifest lists beyond that (files,
-rows, digests) is each backend's own. ``read_snapshot_manifest`` is the shared first step of
-their ``load``: refuse an unpublished directory, a missing or corrupt manifest, or one of
-another format; every message names the backend and the file.
+a ``manifest.json`` naming its format and version, and safetensors files whose size and sha256
+the manifest records; what else it lists (rows, digests) is each backend's own. The two steps
+they share: ``read_snapshot_manifest`` refuses an unpublished directory, a missing or corrupt
+manifest, or one of another format; ``read_verified_tensors`` refuses a missing, truncated,
+altered or unparsable file. Every message names the backend and the file.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
+
+import torch
+from safetensors.torch import load as safetensors_load
 
 from tandemrl.dataplane.atomic import is_temporary_name
 from tandemrl.dataplane.base import DataPlaneError
@@ -48,3 +53,24 @@ def read_snapshot_manifest(
             f"{where}: {manifest_path} is malformed (missing or bad entry {exc})"
         ) from exc
     return manifest_path, manifest
+
+
+def read_verified_tensors(
+    path: Path, *, backend: str, expected_bytes: int, expected_sha256: str
+) -> dict[str, torch.Tensor]:
+    """The tensors of a snapshot file, once its size and sha256 match the manifest's."""
+    where = f"{backend} data plane load"
+    if not path.is_file():
+        raise DataPlaneError(f"{where}: {path} is missing")
+    payload = path.read_bytes()
+    if len(payload) != expected_bytes:
+        raise DataPlaneError(
+            f"{where}: {path} is truncated or padded: {len(payload)} bytes, manifest says "
+            f"{expected_bytes}"
+        )
+    if hashlib.sha256(payload).hexdigest() != expected_sha256:
+        raise DataPlaneError(f"{where}: {path} is corrupt (sha256 does not match the manifest)")
+    try:
+        return safetensors_load(payload)
+    except Exception as exc:  # safetensors raises its own error types
+        raise DataPlaneError(f"{where}: {path} cannot be parsed ({exc})") from exc

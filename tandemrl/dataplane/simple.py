@@ -59,7 +59,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
 from tandemrl.config.models import DataPlaneConfig
@@ -69,7 +68,11 @@ from tandemrl.dataplane.base import DataPlane, DataPlaneError, Row
 from tandemrl.dataplane.local import SNAPSHOT_FORMAT as LOCAL_SNAPSHOT_FORMAT
 from tandemrl.dataplane.local import read_snapshot as read_local_snapshot
 from tandemrl.dataplane.local import row_digest
-from tandemrl.dataplane.manifest import MANIFEST_NAME, read_snapshot_manifest
+from tandemrl.dataplane.manifest import (
+    MANIFEST_NAME,
+    read_snapshot_manifest,
+    read_verified_tensors,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -621,24 +624,12 @@ def _read_verified_rows(directory: Path, manifest: dict[str, Any]) -> list[dict[
     result: list[dict[str, Row]] = []
     for file_name, info in sorted(manifest["files"].items()):
         path = directory / file_name
-        if not path.is_file():
-            raise DataPlaneError(f"simple data plane load: {path} is missing")
-        payload = path.read_bytes()
-        if len(payload) != int(info["bytes"]):
-            raise DataPlaneError(
-                f"simple data plane load: {path} is truncated or padded: {len(payload)} bytes, "
-                f"manifest says {info['bytes']}"
-            )
-        if hashlib.sha256(payload).hexdigest() != info["sha256"]:
-            raise DataPlaneError(
-                f"simple data plane load: {path} is corrupt (sha256 does not match the manifest)"
-            )
-        try:
-            tensors = safetensors_load(payload)
-        except Exception as exc:  # safetensors raises its own error types
-            raise DataPlaneError(
-                f"simple data plane load: {path} cannot be parsed ({exc})"
-            ) from exc
+        tensors = read_verified_tensors(
+            path,
+            backend="simple",
+            expected_bytes=int(info["bytes"]),
+            expected_sha256=str(info["sha256"]),
+        )
         rows: dict[str, Row] = {}
         for sample_id, entry in by_file.get(file_name, []):
             try:

@@ -106,22 +106,14 @@ def builtin_sampler(
     validation builds to ask the sampler for its rules before any run exists."""
     if buffer is None:
         buffer = ReplayBuffer(group_size=1, capacity=1)
-    if isinstance(cfg, InOrderSamplerConfig):
-        return InOrderSampler.from_config(
-            cfg,
-            buffer,
-            groups_per_step=groups_per_step,
-            policy_training_start_step=policy_training_start_step,
-        )
-    if isinstance(cfg, WeightFifoSamplerConfig):
-        return WeightFifoSampler.from_config(cfg, buffer, groups_per_step=groups_per_step)
-    if isinstance(cfg, ReadyFirstSamplerConfig):
-        return ReadyFirstSampler.from_config(cfg, buffer, groups_per_step=groups_per_step)
-    if isinstance(cfg, WindowedSamplerConfig):
-        return WindowedSampler.from_config(cfg, buffer, groups_per_step=groups_per_step)
-    raise SamplerConfigError(
-        f"async_rl.sampler.name: unknown sampler mode {getattr(cfg, 'name', cfg)!r}"
-    )
+    sampler_class = BUILTIN_SAMPLERS.get(cfg.name)
+    if sampler_class is None:
+        raise SamplerConfigError(f"async_rl.sampler.name: unknown sampler mode {cfg.name!r}")
+    # A built-in sampler's constructor keywords are its config block's keys (but ``name``).
+    knobs = cfg.model_dump(exclude={"name"})
+    if sampler_class is InOrderSampler:
+        knobs["policy_training_start_step"] = policy_training_start_step
+    return sampler_class(buffer, groups_per_step=groups_per_step, **knobs)
 
 
 def required_buffer_capacity(

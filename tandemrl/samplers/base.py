@@ -52,10 +52,9 @@ from __future__ import annotations
 import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar
 
 from tandemrl.buffer import ReplayBuffer, Slot
-from tandemrl.config.models import ReadyFirstSamplerConfig, WeightFifoSamplerConfig
 
 
 class SamplerClosed(RuntimeError):
@@ -333,20 +332,6 @@ class StalenessGatedSampler(GatedSampler):
         if max_staleness_versions < 0:
             raise SamplerError(f"max_staleness_versions must be >= 0, got {max_staleness_versions}")
         self.max_staleness_versions = max_staleness_versions
-
-    @classmethod
-    def from_config(
-        cls,
-        cfg: WeightFifoSamplerConfig | ReadyFirstSamplerConfig,
-        buffer: ReplayBuffer,
-        *,
-        groups_per_step: int,
-    ) -> Self:
-        return cls(
-            buffer,
-            groups_per_step=groups_per_step,
-            max_staleness_versions=cfg.max_staleness_versions,
-        )
 
     @property
     def widest_lookahead_versions(self) -> int:

@@ -17,7 +17,6 @@ buffer is sized for the wider of the two.
 from __future__ import annotations
 
 from tandemrl.buffer import ReplayBuffer
-from tandemrl.config.models import InOrderSamplerConfig
 from tandemrl.samplers.base import GatedSampler, SamplerError, Selection
 
 
@@ -43,23 +42,6 @@ class InOrderSampler(GatedSampler):
         self.warmup_lookahead_versions = warmup_lookahead_versions
         # Trainer versions below this are PPO critic warm-up (0: no warm-up).
         self.policy_training_start_step = policy_training_start_step
-
-    @classmethod
-    def from_config(
-        cls,
-        cfg: InOrderSamplerConfig,
-        buffer: ReplayBuffer,
-        *,
-        groups_per_step: int,
-        policy_training_start_step: int = 0,
-    ) -> InOrderSampler:
-        return cls(
-            buffer,
-            groups_per_step=groups_per_step,
-            max_lookahead_versions=cfg.max_lookahead_versions,
-            warmup_lookahead_versions=cfg.warmup_lookahead_versions,
-            policy_training_start_step=policy_training_start_step,
-        )
 
     @property
     def widest_lookahead_versions(self) -> int:

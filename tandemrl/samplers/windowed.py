@@ -10,7 +10,6 @@ an in-flight group older than the window should be aborted, since it can never b
 from __future__ import annotations
 
 from tandemrl.buffer import ReplayBuffer, Slot
-from tandemrl.config.models import WindowedSamplerConfig
 from tandemrl.samplers.base import PromptGroupSampler, Selection
 
 
@@ -30,17 +29,6 @@ class WindowedSampler(PromptGroupSampler):
         super().__init__(buffer, groups_per_step=groups_per_step)
         self.max_staleness_versions = max_staleness_versions
         self.sample_freshest_first = sample_freshest_first
-
-    @classmethod
-    def from_config(
-        cls, cfg: WindowedSamplerConfig, buffer: ReplayBuffer, *, groups_per_step: int
-    ) -> WindowedSampler:
-        return cls(
-            buffer,
-            groups_per_step=groups_per_step,
-            max_staleness_versions=cfg.max_staleness_versions,
-            sample_freshest_first=cfg.sample_freshest_first,
-        )
 
     def oldest_trainable_weight(self, current_train_weight: int) -> int:
         return current_train_weight - self.max_staleness_versions
