@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tandemrl.checkpoint.restore import plan_restore, resume
+from tandemrl.checkpoint.restore import plan_restore
 from tandemrl.config.loader import load_config
 from tandemrl.controller.build import build_fake_controller
 from tandemrl.data.dataloader import PromptDataLoader
@@ -61,7 +61,7 @@ async def one_run(prompts: int, *, commit_log: bool) -> dict[str, float]:
             engines=[FakeGenerationBackend(latency=LatencyModel("fixed", seconds=0.002), seed=0)],
             dataloader=PromptDataLoader(records, max_num_epochs=1, seed=0),
         )
-        await resume(controller, plan_restore(cfg))
+        await controller.resume(plan_restore(cfg))
         log = controller.commit_log
         wall, cpu = time.perf_counter(), time.process_time()
         await controller.run()

@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
-from tandemrl.controller.weight_sync_cuda import WeightReceiverHost
 from tandemrl.generation.torch_engine import TorchGenerationEngine
 from tandemrl.records import GenerationRequest, GenerationResult
+from tandemrl.transport.receiver import WeightReceiverHost
 
 QWEN2_SIZES: dict[str, dict[str, Any]] = {
     "0.5b": {

@@ -56,10 +56,10 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
+from pydantic import TypeAdapter
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -75,23 +75,24 @@ from gpu_common import (
     make_train_batch,
 )
 
-from tandemrl.config.capacity import required_buffer_capacity
+from tandemrl.codec import TextCodec
 from tandemrl.config.loader import load_config
+from tandemrl.config.models import SamplerConfig
 from tandemrl.controller.build import ControllerParts, build_controller
-from tandemrl.controller.weight_sync import DirectWeightSync
-from tandemrl.controller.weight_sync_cuda import (
+from tandemrl.controller.weight_sync import (
     CudaIpcWeightSync,
     DeviceWeightSync,
-    FlatWeightSender,
+    DirectWeightSync,
     NcclWeightSync,
-    leave_process_group,
 )
 from tandemrl.envs.counting import CountingEnv
 from tandemrl.generation import torch_engine
 from tandemrl.records import GenerationRequest
-from tandemrl.rollout.manager import TextCodec
+from tandemrl.samplers import required_buffer_capacity
 from tandemrl.sm_partition import SmShare, split_sms
 from tandemrl.training.policy_worker import PolicyWorker
+from tandemrl.transport.process_group import leave_process_group
+from tandemrl.transport.sender import FlatWeightSender
 
 PROMPT_PREFIX_TOKENS = 60
 GOALS = {
@@ -638,8 +639,7 @@ def mode_overrides(mode: str, placement: str, args: argparse.Namespace) -> list[
 def sampler_capacity(mode: str, groups_per_step: int) -> int:
     """The mode's sampler's required buffer capacity (= its in-flight cap here): the batch
     being trained plus the batches its gate lets dispatch run ahead."""
-    fields = {"max_lookahead_versions": 0, "max_staleness_versions": 0, **SAMPLERS[mode]}
-    sampler = SimpleNamespace(warmup_lookahead_versions=None, **fields)
+    sampler = TypeAdapter(SamplerConfig).validate_python(SAMPLERS[mode])
     return required_buffer_capacity(sampler, groups_per_step)
 
 

@@ -11,7 +11,7 @@ Life of a prompt group (one ``Slot``)::
                                                     release_claims(consumed=False) ──> ready
 
 - ``reserve`` appends a slot at dispatch and stamps ``start_weight`` (and ``target_step`` for
-  in_order). Slots are appended, so buffer order is dispatch order (``dispatch_index``, a
+  in_order); the slot keeps the group's prompt (``item``). Slots are appended, so buffer order is dispatch order (``dispatch_index``, a
   counter that only grows) and ``start_weight`` never decreases along the buffer.
 - ``commit`` records the group's ``group_size`` rows and ``end_weight`` and flips it ready.
   Invariant: the caller has written those rows to the data plane BEFORE committing, so a
@@ -36,7 +36,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from tandemrl.records import RowMeta
+from tandemrl.records import PromptItem, RowMeta
 
 STATE_FORMAT = "tandemrl.replay_buffer"
 STATE_VERSION = 1
@@ -63,6 +63,8 @@ class Slot:
     end_weight: int | None = None
     ready: bool = False
     rows_meta: list[RowMeta] = field(default_factory=list)
+    # The group's prompt (None for a group restored from a replay index, which omits it).
+    item: PromptItem | None = field(default=None, repr=False, compare=False)
     # sample_ids, worked out once per rows_meta list (both pumps ask for it several times per
     # group) and for the list it was worked out from.
     _sample_ids: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
@@ -163,8 +165,14 @@ class ReplayBuffer:
 
     # ------------------------------------------------------------------ rollout side
 
-    def reserve(self, group_id: str, start_weight: int, target_step: int | None = None) -> Slot:
-        """Append a reserved slot for a group being dispatched now."""
+    def reserve(
+        self,
+        group_id: str,
+        start_weight: int,
+        target_step: int | None = None,
+        item: PromptItem | None = None,
+    ) -> Slot:
+        """Append a reserved slot for a group being dispatched now (``item``: its prompt)."""
         live = self._live
         if group_id in live or group_id in self._claimed:
             raise ReplayBufferError(f"reserve: group {group_id!r} is already in the buffer")
@@ -175,6 +183,7 @@ class ReplayBuffer:
             )
         # Positional, in field order: this runs once per dispatched prompt group.
         slot = Slot(group_id, start_weight, target_step, self._next_dispatch_index)
+        slot.item = item
         self._next_dispatch_index += 1
         live[group_id] = slot
         return slot
@@ -201,7 +210,7 @@ class ReplayBuffer:
             raise ReplayBufferError(f"remove: group {group_id!r} is not live ({where})")
         return slot
 
-    def promote_ready_group(self, group_id: str, target_step: int) -> Slot:
+    def promote_ready_group(self, group_id: str, target_step: int | None) -> Slot:
         """Re-stamp a ready group's ``target_step`` (in_order replacement).
 
         When a group of step ``s`` is dropped and the run replaces drops, a ready group meant

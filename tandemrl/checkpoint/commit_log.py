@@ -228,7 +228,8 @@ class LogReplay:
             self.cursor = record["cursor"]
         if "budgets" in record:
             self.budgets = record["budgets"]
-        group_id = record.get("group_id")
+        # Every kind below names its group ("open" and "reserve" records name none).
+        group_id: str = record.get("group_id", "")
         if kind == "admitted":
             self.admitted[group_id] = record["group"]
             self.dropped.discard(group_id)

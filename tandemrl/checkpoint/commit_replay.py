@@ -1,9 +1,11 @@
-"""Write the controller's ownership changes to the commit log, and replay them on restore.
+"""Write the run's ownership changes to the commit log, and replay them on restore.
 
-``CommitRecorder`` is what the pumps call (each hook one cheap, synchronous append, except
-``committed``, which waits until its record is fsynced; the pumps hold no hook when the log is
-off). ``replay_commit_log`` runs after a bundle was applied (``apply_rollout_state``) and
-brings the controller to the state of the last record on the bundle's branch:
+``CommitLogEvents`` is the log's implementation of the pumps' ``OwnershipEvents`` (each event
+one cheap, synchronous append, except ``committed``, which waits until its record is fsynced),
+reading the prompt stream's cursor from the ``RunState``; it hands every event on to the run
+journal when there is one. ``apply_replay`` runs after a bundle was applied
+(``apply_rollout_state``) and brings the run state to that of the last record on the bundle's
+branch:
 
 - a group committed after the bundle becomes a ready group again — rows rebuilt from its
   logged siblings, its recorded ``start_weight``, ``end_weight``, ``target_step`` and dispatch
@@ -25,9 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from tandemrl.buffer import Slot
 from tandemrl.checkpoint.commit_log import (
@@ -38,8 +39,9 @@ from tandemrl.checkpoint.commit_log import (
     fold,
     read_log,
 )
+from tandemrl.checkpoint.journal import RunJournal
 from tandemrl.checkpoint.layout import CheckpointCorrupt
-from tandemrl.records import PromptItem
+from tandemrl.records import PromptItem, RowMeta
 from tandemrl.rollout.ledger import (
     OwnershipLedger,
     StagedSibling,
@@ -47,6 +49,7 @@ from tandemrl.rollout.ledger import (
     group_entry,
     staged_entry,
 )
+from tandemrl.run_state import RunState
 from tandemrl.samplers.base import SamplerError
 
 log = logging.getLogger(__name__)
@@ -56,29 +59,49 @@ def commit_log_dir(checkpoint_dir: Path) -> Path:
     return Path(checkpoint_dir) / COMMIT_LOG_DIR
 
 
-class CommitRecorder:
-    """The pumps' side of the commit log: one method per ownership change."""
+class ReplayedRows(Protocol):
+    """Rewrites a committed group's rows from its logged siblings (the rollout manager)."""
 
-    def __init__(self, commit_log: CommitLog, controller: Any) -> None:
+    async def write_replayed_rows(self, group: UnfinishedGroup) -> list[RowMeta]: ...
+
+
+class CommitLogEvents:
+    """The commit log's side of the ownership events; then the journal's, when there is one.
+
+    ``records_reserve``: the cursor carries the replacement reserve (on_dropped_prompt:
+    replace). The journal's ``staged`` is called once the log record is written (on the log's
+    writer thread), so a restart keeps every sibling the journal says finished.
+    """
+
+    def __init__(
+        self,
+        commit_log: CommitLog,
+        run: RunState,
+        *,
+        records_reserve: bool,
+        journal: RunJournal | None = None,
+    ) -> None:
         self.log = commit_log
-        self.controller = controller
+        self.run = run
+        self.records_reserve = records_reserve
+        self.journal = journal
 
     def cursor(self) -> dict[str, Any]:
         """Where the prompt stream stands: what replay restores so no prompt is drawn twice."""
-        controller = self.controller
-        loader = controller.dataloader
+        run = self.run
+        loader = run.dataloader
         reserve = None
-        if controller.settings.on_dropped_prompt == "replace":
-            reserve = [dataclasses.asdict(item) for item in controller.replacement_reserve_items()]
+        if self.records_reserve:
+            reserve = [dataclasses.asdict(item) for item in run.replacement_reserve]
         return {
             "dataloader": {
                 "epoch": loader.epoch,
                 "position": loader.position,
                 "requeued": loader.num_requeued,
             },
-            "dispatch": controller.sampler.dispatch_state(),
+            "dispatch": run.sampler.dispatch_state(),
             "dropped_for_step": {
-                str(step): count for step, count in controller.state.dropped_for_step.items()
+                str(step): count for step, count in run.controller.dropped_for_step.items()
             },
             "reserve": reserve,
         }
@@ -90,28 +113,34 @@ class CommitRecorder:
             group=group_entry(group, with_staged=False),
             cursor=self.cursor(),
         )
+        if self.journal is not None:
+            self.journal.admitted(group)
 
-    def staged(
-        self,
-        group: UnfinishedGroup,
-        siblings: list[int],
-        after_write: Callable[[], None] | None = None,
-    ) -> bool:
-        """Siblings finished; logged only where a restart keeps them (``sibling`` recovery
-        with token capture). ``after_write`` runs once the record is written; returns False
-        (and does not call it) when nothing is logged."""
-        ledger = self.controller.rollout_manager.ledger
-        if group.granularity != "sibling" or not ledger.token_capture:
-            return False
+    def staged(self, group: UnfinishedGroup, siblings: list[int]) -> None:
+        """Logged only where a restart keeps the siblings (``sibling`` recovery with token
+        capture); the journal hears of them once the record is written, or at once when
+        nothing is logged."""
+        journal = self.journal
+        if group.granularity != "sibling" or not self.run.ledger.token_capture:
+            if journal is not None:
+                journal.staged(group, siblings)
+            return
+        after_write = None
+        if journal is not None:
+
+            def after_write() -> None:
+                journal.staged(group, siblings)
+
         self.log.append_then(
             "staged",
             after_write,
             group_id=group.group_id,
             siblings={str(index): staged_entry(group.staged[index]) for index in siblings},
         )
-        return True
 
-    async def committed(self, group: UnfinishedGroup, slot: Slot, end_weight: int) -> None:
+    async def committed(
+        self, group: UnfinishedGroup, slot: Slot, *, end_weight: int, fresh_siblings: list[int]
+    ) -> None:
         """Durable before the caller flips the slot ready (called inside the barrier)."""
         entry = group_entry(group, with_staged=True)
         entry.update(
@@ -121,20 +150,40 @@ class CommitRecorder:
             end_weight=end_weight,
         )
         await self.log.append_durable("committed", group_id=group.group_id, group=entry)
+        if self.journal is not None:
+            await self.journal.committed(
+                group, slot, end_weight=end_weight, fresh_siblings=fresh_siblings
+            )
 
     def dropped(self, group: UnfinishedGroup) -> None:
         self.log.append(
             "dropped",
             group_id=group.group_id,
             cursor=self.cursor(),
-            budgets=self.controller.rollout_manager.budgets.state_dict(),
+            budgets=self.run.budgets.state_dict(),
         )
+        if self.journal is not None:
+            self.journal.dropped(group)
 
     def promoted(self, group_id: str, target_step: int | None) -> None:
         self.log.append("promoted", group_id=group_id, target_step=target_step)
+        if self.journal is not None:
+            self.journal.promoted(group_id, target_step)
+
+    def evicted(self, group_ids: list[str]) -> None:
+        # Not logged: a replayed group older than the window is evicted again at once.
+        if self.journal is not None:
+            self.journal.evicted(group_ids)
+
+    def trained(self, step: int, group_ids: list[str]) -> None:
+        # Not logged: a restart goes back to the bundle's step and trains again from there.
+        if self.journal is not None:
+            self.journal.trained(step, group_ids)
 
     def reserve_filled(self) -> None:
         self.log.append("reserve", cursor=self.cursor())
+        if self.journal is not None:
+            self.journal.reserve_filled()
 
 
 # ---------------------------------------------------------------------------- replay
@@ -171,16 +220,17 @@ def replay_for(checkpoint_dir: Path, from_lsn: int | None) -> tuple[LogReplay, i
     return replay, tip
 
 
-async def apply_replay(controller: Any, replay: LogReplay, *, source: str) -> dict[str, int]:
-    """Bring a controller restored from a bundle up to the end of its log branch."""
-    manager = controller.rollout_manager
-    buffer = controller.buffer
-    recovered = {group.group_id: group for group in controller.recovered_groups}
+async def apply_replay(
+    run: RunState, replay: LogReplay, *, rows: ReplayedRows, source: str
+) -> dict[str, int]:
+    """Bring a run state restored from a bundle up to the end of its log branch."""
+    buffer = run.buffer
+    recovered = {group.group_id: group for group in run.recovered_groups}
 
     def forget_unfinished(group_id: str) -> None:
         if group_id in recovered:
-            controller.recovered_groups.remove(recovered.pop(group_id))
-            manager.ledger.close(group_id)
+            run.recovered_groups.remove(recovered.pop(group_id))
+            run.ledger.close(group_id)
 
     for group_id in replay.dropped:
         forget_unfinished(group_id)
@@ -191,24 +241,23 @@ async def apply_replay(controller: Any, replay: LogReplay, *, source: str) -> di
         if group_id in buffer:
             continue  # already ready in the bundle (replaying twice changes nothing)
         group = _group(entry, f"{source}: committed group {group_id}")
-        if sorted(group.staged) != list(range(manager.group_size)):
+        if sorted(group.staged) != list(range(buffer.group_size)):
             raise CheckpointCorrupt(
                 f"{source}: committed group {group_id} logged siblings {sorted(group.staged)}, "
-                f"expected 0..{manager.group_size - 1}"
+                f"expected 0..{buffer.group_size - 1}"
             )
-        metas = await manager.write_replayed_rows(group)
-        buffer.adopt_committed(
-            Slot(
-                group_id=group_id,
-                start_weight=int(entry["start_weight"]),
-                target_step=entry["target_step"],
-                dispatch_index=int(entry["dispatch_index"]),
-                end_weight=int(entry["end_weight"]),
-                ready=True,
-                rows_meta=metas,
-            )
+        metas = await rows.write_replayed_rows(group)
+        slot = Slot(
+            group_id=group_id,
+            start_weight=int(entry["start_weight"]),
+            target_step=entry["target_step"],
+            dispatch_index=int(entry["dispatch_index"]),
+            end_weight=int(entry["end_weight"]),
+            ready=True,
+            rows_meta=metas,
+            item=group.item,
         )
-        manager.committed_items[group_id] = group.item
+        buffer.adopt_committed(slot)
         restored += 1
 
     for group_id, target_step in replay.promoted.items():
@@ -231,15 +280,15 @@ async def apply_replay(controller: Any, replay: LogReplay, *, source: str) -> di
             group.staged = _staged(
                 replay.staged.get(group_id, {}), f"{source}: staged siblings of {group_id}"
             )
-        manager.ledger.adopt(group)
-        controller.recovered_groups.append(group)
+        run.ledger.adopt(group)
+        run.recovered_groups.append(group)
         recovered[group_id] = group
         reopened += 1
 
     if replay.cursor is not None:
-        _apply_cursor(controller, replay.cursor, source)
+        _apply_cursor(run, replay.cursor, source)
     if replay.budgets is not None:
-        manager.budgets.load_state_dict(replay.budgets)
+        run.budgets.load_state_dict(replay.budgets)
     if replay.records:
         log.info(
             "replayed %d commit log record(s) from %s: %d committed group(s) kept, %d unfinished "
@@ -253,9 +302,9 @@ async def apply_replay(controller: Any, replay: LogReplay, *, source: str) -> di
     return {"records": replay.records, "committed_groups": restored, "reopened_groups": reopened}
 
 
-def _apply_cursor(controller: Any, cursor: dict[str, Any], source: str) -> None:
+def _apply_cursor(run: RunState, cursor: dict[str, Any], source: str) -> None:
     try:
-        loader_state = controller.dataloader.state_dict()
+        loader_state = run.dataloader.state_dict()
         position = cursor["dataloader"]
         requeued = loader_state["requeued"]
         keep = int(position["requeued"])
@@ -267,21 +316,13 @@ def _apply_cursor(controller: Any, cursor: dict[str, Any], source: str) -> None:
             position=int(position["position"]),
             requeued=requeued[len(requeued) - keep :],
         )
-        controller.dataloader.load_state_dict(loader_state)
-        dispatch = dict(cursor["dispatch"])
-        restored = controller.sampler.dispatch_state()
-        if "lookahead_versions" in dispatch and "lookahead_versions" in restored:
-            # The lookahead follows the trainer's step (PPO warm-up), which went back to the
-            # bundle's: keep the bundle's, take only the admission count and credits.
-            dispatch["lookahead_versions"] = restored["lookahead_versions"]
-        controller.sampler.load_dispatch_state(dispatch)
-        controller.state.dropped_for_step.clear()
-        controller.state.dropped_for_step.update(
+        run.dataloader.load_state_dict(loader_state)
+        run.sampler.load_dispatch_state(dict(cursor["dispatch"]))
+        run.controller.dropped_for_step.clear()
+        run.controller.dropped_for_step.update(
             {int(step): int(count) for step, count in cursor["dropped_for_step"].items()}
         )
         if cursor.get("reserve") is not None:
-            controller.replacement_reserve_restore(
-                [PromptItem(**item) for item in cursor["reserve"]]
-            )
+            run.replacement_reserve = [PromptItem(**item) for item in cursor["reserve"]]
     except (KeyError, TypeError, ValueError, SamplerError) as exc:
         raise CheckpointCorrupt(f"{source}: unusable cursor in the commit log ({exc})") from exc

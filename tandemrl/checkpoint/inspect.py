@@ -41,7 +41,7 @@ EXIT_INVALID = 2
 
 def _leftovers(checkpoint_dir: Path) -> list[str]:
     """Temporary or interrupted folders a restart ignores (never selected, never deleted)."""
-    found = []
+    found: list[str] = []
     anchors = [path for _, path in list_step_dirs(checkpoint_dir)]
     anchors.append(bootstrap_dir(checkpoint_dir))
     for parent in [checkpoint_dir, *(anchor / SNAPSHOTS_DIR for anchor in anchors)]:
@@ -54,7 +54,7 @@ def _leftovers(checkpoint_dir: Path) -> list[str]:
 
 def _rollout_summary(directory: Path) -> dict[str, Any]:
     state = read_rollout_state(directory)
-    committed = [] if state.replay_index is None else state.replay_index["buffer"]["groups"]
+    committed = [] if state.replay_index is None else state.replay_index["groups"]
     unfinished = unfinished_groups(state)
     return {
         "sampler": state.sampler.get("name"),
@@ -288,7 +288,11 @@ def render_text(info: dict[str, Any]) -> str:
 
 
 def inspect_command(
-    path: str, config: str | None = None, overrides: list[str] | None = None, *, as_json=False
+    path: str,
+    config: str | None = None,
+    overrides: list[str] | None = None,
+    *,
+    as_json: bool = False,
 ) -> int:
     """Print what a restart from ``path`` would resume; 0 resumable or fresh, 1 refused/error."""
     cfg = None

@@ -10,6 +10,11 @@ which the reader drops):
   which were reused from token-capture staging.
 - ``trained``: a step closed; the groups it trained.
 
+``RunJournal`` implements the pumps' ``OwnershipEvents`` (``tandemrl.rollout.events``): it
+records ``staged``, ``committed`` (as ``generated``), ``evicted`` and ``trained``, and ignores
+the rest. Behind the commit log it is called by it (``CommitLogEvents``), so that a
+``staged`` line is written only once the log holds the siblings it names.
+
 ``lineage`` replays the journal into what the final model was actually trained on: a
 ``start`` that resumed after step N voids every ``trained`` event after step N of the earlier
 attempts. The chaos tests prove exactly-once training from it, and that no finished group or
@@ -26,6 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tandemrl.buffer import Slot
+from tandemrl.rollout.ledger import UnfinishedGroup
+
 
 class RunJournal:
     def __init__(self, path: Path) -> None:
@@ -41,6 +49,37 @@ class RunJournal:
         with self._lock:
             self._handle.write(line + "\n")
             self._handle.flush()
+
+    # ------------------------------------------------------------------ ownership events
+
+    def admitted(self, group: UnfinishedGroup) -> None:
+        pass  # the journal records outcomes, not admissions
+
+    def staged(self, group: UnfinishedGroup, siblings: list[int]) -> None:
+        # May run on the commit log's writer thread (``record`` takes the lock).
+        self.record("staged", group_id=group.group_id, siblings=siblings)
+
+    async def committed(
+        self, group: UnfinishedGroup, slot: Slot, *, end_weight: int, fresh_siblings: list[int]
+    ) -> None:
+        self.record("generated", group_id=group.group_id, fresh_siblings=fresh_siblings)
+
+    def dropped(self, group: UnfinishedGroup) -> None:
+        pass
+
+    def promoted(self, group_id: str, target_step: int | None) -> None:
+        pass
+
+    def evicted(self, group_ids: list[str]) -> None:
+        self.record("evicted", groups=group_ids)
+
+    def trained(self, step: int, group_ids: list[str]) -> None:
+        self.record("trained", step=step, groups=group_ids)
+
+    def reserve_filled(self) -> None:
+        pass
+
+    # ------------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
         if self._handle.closed:

@@ -13,29 +13,31 @@ Selection (``plan_restore``) never writes or deletes anything:
   snapshots are ignored. With bootstrap state but no trainer checkpoint it refuses, because a
   bootstrap snapshot has no model or optimizer state to resume.
 
-Applying a plan (``restore_controller``) re-installs the chosen rollout state and, in
-``latest`` mode with the commit log on, replays the log records written after it
-(``tandemrl.checkpoint.commit_replay``); ``resume`` then opens this attempt's log segment.
+Applying a plan (``restore_run``) loads the models and re-installs the chosen rollout state
+into the run's ``RunState`` (through the ``CheckpointWriter`` that holds it, with the data
+plane, the models and the commit log) and, in ``latest`` mode with the commit log on, replays
+the log records written after it (``tandemrl.checkpoint.commit_replay``); ``resume`` then
+opens this attempt's log segment and journal entry.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tandemrl.checkpoint.commit_replay import apply_replay, replay_for
+from tandemrl.checkpoint.commit_replay import ReplayedRows, apply_replay, replay_for
 from tandemrl.checkpoint.fingerprint import (
     compatibility_identity,
     diff_identities,
     fingerprint_digest,
 )
+from tandemrl.checkpoint.journal import RunJournal
 from tandemrl.checkpoint.layout import (
     MANIFEST,
-    POLICY_DIR,
-    VALUE_DIR,
     CheckpointCorrupt,
     bootstrap_dir,
     list_snapshot_dirs,
@@ -43,6 +45,7 @@ from tandemrl.checkpoint.layout import (
     verify_bundle,
 )
 from tandemrl.checkpoint.rollout_state import apply_rollout_state, read_rollout_state
+from tandemrl.checkpoint.writer import CheckpointWriter
 from tandemrl.config.models import MasterConfig
 
 log = logging.getLogger(__name__)
@@ -207,30 +210,41 @@ def plan_restore_dir(
     return plan
 
 
-async def restore_controller(controller: Any, plan: RestorePlan) -> dict[str, Any]:
-    """Load weights/optimizer (policy, critic) and the rollout state chosen by ``plan``, then
-    replay the commit log on top of it (``latest`` mode, log on). The summary's
-    ``commit_log_tip`` is the LSN of the last record the restored state contains (None: the
-    state is not on the log)."""
+# async (trainer_version) -> seconds: push the trainer's weights to generation.
+SyncWeights = Callable[[int], Awaitable[float]]
+
+
+async def restore_run(
+    plan: RestorePlan,
+    checkpoints: CheckpointWriter,
+    *,
+    replayed_rows: ReplayedRows,
+    sync_weights: SyncWeights,
+) -> dict[str, Any]:
+    """Load weights/optimizer (policy, critic) and the rollout state chosen by ``plan`` into
+    what ``checkpoints`` writes, then replay the commit log on top of it (``latest`` mode, log
+    on). The summary's ``commit_log_tip`` is the LSN of the last record the restored state
+    contains (None: the state is not on the log)."""
     if plan.fresh:
         return {"commit_log_tip": None}
+    run = checkpoints.run
     if plan.trainer_dir is not None:
         # step_N exists already: the final checkpoint of a run resumed after its last step must
         # not rewrite it (that would drop the snapshots anchored on it).
-        controller.mark_checkpointed(plan.step)
-        await controller.trainer.load_checkpoint(plan.trainer_dir / POLICY_DIR, load_optimizer=True)
-        value_trainer = getattr(controller.step_runner, "value_trainer", None)
-        if value_trainer is not None:
-            await value_trainer.load_checkpoint(plan.trainer_dir / VALUE_DIR, load_optimizer=True)
+        checkpoints.mark_saved(plan.step)
+        for folder, model in checkpoints.models.items():
+            await model.load_checkpoint(plan.trainer_dir / folder, load_optimizer=True)
     assert plan.rollout_dir is not None
     state = read_rollout_state(plan.rollout_dir)
     if state.controller["step"] != plan.step:
         raise CheckpointCorrupt(
             f"{plan.rollout_dir}: rollout state is for step {state.controller['step']} but its anchor is step {plan.step}"
         )
-    summary: dict[str, Any] = dict(await apply_rollout_state(controller, state, plan.rollout_dir))
+    summary: dict[str, Any] = dict(
+        await apply_rollout_state(run, state, plan.rollout_dir, checkpoints.data_plane)
+    )
     summary["commit_log_tip"] = None
-    commit_log = getattr(controller, "commit_log", None)
+    commit_log = checkpoints.commit_log
     if commit_log is not None and state.commit_log_next_lsn is not None:
         from_lsn = state.commit_log_next_lsn
         if plan.restore_mode == "trainer_checkpoint":
@@ -240,37 +254,43 @@ async def restore_controller(controller: Any, plan: RestorePlan) -> dict[str, An
             replay, tip = replay_for(plan.checkpoint_dir, from_lsn)
         summary["commit_log_tip"] = tip
         summary["commit_log"] = await apply_replay(
-            controller, replay, source=str(commit_log.directory)
+            run, replay, rows=replayed_rows, source=str(commit_log.directory)
         )
     if plan.step > 0:
         # Generation workers started from the initial model: give them the restored weights.
-        await controller.weight_sync.sync(controller.trainer_version)
+        await sync_weights(run.controller.trainer_version)
     return summary
 
 
-async def resume(controller: Any, plan: RestorePlan) -> dict[str, Any]:
-    """Restore ``plan`` into ``controller``, open this attempt in the commit log and the run
+async def resume(
+    plan: RestorePlan,
+    checkpoints: CheckpointWriter,
+    *,
+    replayed_rows: ReplayedRows,
+    sync_weights: SyncWeights,
+    journal: RunJournal | None = None,
+) -> dict[str, Any]:
+    """Restore ``plan`` (``restore_run``), open this attempt in the commit log and the run
     journal. A fresh start with the log on writes a bootstrap snapshot at once, so that from
     the first commit on every moment has a bundle to replay the log from."""
-    summary = await restore_controller(controller, plan)
-    commit_log = getattr(controller, "commit_log", None)
+    summary = await restore_run(
+        plan, checkpoints, replayed_rows=replayed_rows, sync_weights=sync_weights
+    )
+    commit_log = checkpoints.commit_log
     if commit_log is not None:
         commit_log.open(parent=summary["commit_log_tip"], step=plan.step)
-        checkpointer = controller.checkpointer
-        if (
-            plan.fresh
-            and checkpointer is not None
-            and checkpointer.cfg.rollout_checkpointing.snapshot_attempt_interval_s is not None
-        ):
-            await checkpointer.attempt_snapshot(controller)
-    if controller.journal is not None:
-        restored_committed = [slot.group_id for slot in controller.buffer.ready_groups()]
+        interval = checkpoints.cfg.rollout_checkpointing.snapshot_attempt_interval_s
+        if plan.fresh and interval is not None:
+            await checkpoints.attempt_snapshot()
+    if journal is not None:
+        run = checkpoints.run
+        restored_committed = [slot.group_id for slot in run.buffer.ready_groups()]
         restored_staged = [
             [group.group_id, sibling]
-            for group in controller.recovered_groups
+            for group in run.recovered_groups
             for sibling in sorted(group.staged)
         ]
-        controller.journal.record(
+        journal.record(
             "start",
             resumed_step=plan.step,
             source=None if plan.fresh else str(plan.rollout_dir),

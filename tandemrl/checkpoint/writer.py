@@ -16,6 +16,10 @@ Commit log (``rollout_checkpointing.commit_log``): a bundle records the log posi
 capture and is published only once the log is durable up to it; after each write, log
 segments that no selectable bundle replays any more are removed, and every trainer checkpoint
 starts a new segment.
+
+The writer is built with what it writes — the ``RunState`` (captured with ``capture``), the
+data plane, the checkpoint barrier, the models by folder name (``policy``, ``value``) and the
+commit log — and never sees the controller.
 """
 
 from __future__ import annotations
@@ -25,17 +29,17 @@ import json
 import logging
 import shutil
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from tandemrl.checkpoint.commit_log import needed_from_lsn
+from tandemrl.barrier import CheckpointBarrier
+from tandemrl.checkpoint.commit_log import CommitLog, needed_from_lsn
 from tandemrl.checkpoint.fingerprint import compatibility_identity, fingerprint_digest
 from tandemrl.checkpoint.layout import (
     MANIFEST,
-    POLICY_DIR,
     SNAPSHOTS_DIR,
     TRAIN_STATE,
-    VALUE_DIR,
     bootstrap_dir,
     list_snapshot_dirs,
     list_step_dirs,
@@ -44,17 +48,15 @@ from tandemrl.checkpoint.layout import (
     step_dir,
     write_manifest,
 )
-from tandemrl.checkpoint.rollout_state import (
-    RolloutState,
-    capture_rollout_state,
-    write_rollout_state,
-)
+from tandemrl.checkpoint.rollout_state import write_rollout_state
 from tandemrl.config.models import MasterConfig
 from tandemrl.dataplane.atomic import (
     atomic_directory,
     remove_stale_temporaries,
     write_json_atomic,
 )
+from tandemrl.dataplane.base import DataPlane
+from tandemrl.run_state import RolloutState, RunState
 
 log = logging.getLogger(__name__)
 
@@ -68,13 +70,40 @@ def model_identity(model_path: str | None) -> dict[str, str]:
     return {path.name: sha256_file(path) for path in files}
 
 
+class CheckpointedModel(Protocol):
+    """A model a trainer checkpoint holds (the policy trainer, the PPO critic)."""
+
+    async def save_checkpoint(self, directory: Path, *, save_optimizer: bool) -> None: ...
+
+    async def load_checkpoint(self, directory: Path, *, load_optimizer: bool) -> None: ...
+
+
 class CheckpointWriter:
-    def __init__(self, cfg: MasterConfig, *, model_path: str | None, authoritative: bool) -> None:
+    def __init__(
+        self,
+        cfg: MasterConfig,
+        *,
+        model_path: str | None,
+        authoritative: bool,
+        run: RunState,
+        data_plane: DataPlane,
+        barrier: CheckpointBarrier,
+        models: Mapping[str, CheckpointedModel],
+        commit_log: CommitLog | None = None,
+    ) -> None:
         self.cfg = cfg
         self.checkpoint_dir = Path(cfg.checkpointing.checkpoint_dir)
         self.model_path = model_path
         # False for samplers without supports_buffer_checkpoint: shadow mode.
         self.authoritative = authoritative
+        self.run = run
+        self.data_plane = data_plane
+        self.barrier = barrier
+        # Sub-folder of step_N -> the model saved there (policy/, value/), in save order.
+        self.models = dict(models)
+        self.commit_log = commit_log
+        # The last step whose trainer checkpoint is durable (written here, or found at restore).
+        self.last_saved_step: int | None = None
         self.identity = compatibility_identity(cfg)
         self.fingerprint = fingerprint_digest(self.identity)
         self.snapshots_written = 0
@@ -88,50 +117,57 @@ class CheckpointWriter:
             last or step % self.cfg.checkpointing.save_period == 0
         )
 
-    async def save_trainer_checkpoint(self, controller: Any) -> Path:
-        step = controller.state.step
+    async def save_trainer_checkpoint(self) -> Path:
+        step = self.run.controller.step
         target = step_dir(self.checkpoint_dir, step)
         started = time.perf_counter()
         save_optimizer = self.cfg.checkpointing.save_optimizer
         async with self._snapshot_lock:
             with atomic_directory(target) as tmp:
-                await controller.trainer.save_checkpoint(
-                    tmp / POLICY_DIR, save_optimizer=save_optimizer
-                )
-                value_trainer = getattr(controller.step_runner, "value_trainer", None)
-                if value_trainer is not None:
-                    await value_trainer.save_checkpoint(
-                        tmp / VALUE_DIR, save_optimizer=save_optimizer
-                    )
-                await self._write_rollout(controller, tmp)
-                write_manifest(tmp, self._manifest_payload("trainer", controller))
+                for folder, model in self.models.items():
+                    await model.save_checkpoint(tmp / folder, save_optimizer=save_optimizer)
+                await self._write_rollout(tmp)
+                write_manifest(tmp, self._manifest_payload("trainer"))
+            self.last_saved_step = step
             self._retain_trainer_checkpoints()
             self._drop_bootstrap_snapshots()
             # Folders of writes a crash interrupted (never selected); ours is published by now.
             remove_stale_temporaries(self.checkpoint_dir)
-            if getattr(controller, "commit_log", None) is not None:
-                controller.commit_log.rotate()
-                self._trim_commit_log(controller)
+            if self.commit_log is not None:
+                self.commit_log.rotate()
+                self._trim_commit_log(self.commit_log)
         log.info("trainer checkpoint %s written in %.2f s", target, time.perf_counter() - started)
         return target
 
-    async def _write_rollout(self, controller: Any, directory: Path) -> None:
+    def mark_saved(self, step: int) -> None:
+        """``step_<step>`` is already durable (a restore resumed from it): never rewrite it."""
+        self.last_saved_step = step
+
+    def _capture(self) -> RolloutState:
+        """The run state now (call under the barrier), with the commit log's position."""
         # Without save_data_plane (or in shadow mode) the index is not authoritative: the
         # prompts of committed groups are kept instead, to be regenerated on restore.
         authoritative = self.authoritative and self.cfg.checkpointing.save_data_plane
-        async with controller.barrier.capture():
-            state = capture_rollout_state(controller, authoritative=authoritative)
-            await write_rollout_state(directory, state, controller.data_plane)
-        await self._log_durable_through(controller, state)
+        state = self.run.capture(authoritative=authoritative)
+        commit_log = self.commit_log
+        if authoritative and commit_log is not None and commit_log.opened:
+            state.commit_log_next_lsn = commit_log.next_lsn
+        return state
 
-    @staticmethod
-    async def _log_durable_through(controller: Any, state: RolloutState) -> None:
+    async def _write_rollout(self, directory: Path) -> None:
+        async with self.barrier.capture():
+            state = self._capture()
+            await write_rollout_state(directory, state, self.data_plane)
+        await self._log_durable_through(state)
+
+    async def _log_durable_through(self, state: RolloutState) -> None:
         """A bundle is published only once every log record its state contains is durable,
         so the log has no gap before any selectable bundle."""
         if state.commit_log_next_lsn is not None:
-            await controller.commit_log.wait_durable(state.commit_log_next_lsn)
+            assert self.commit_log is not None  # only a writer with a log sets the position
+            await self.commit_log.wait_durable(state.commit_log_next_lsn)
 
-    def _trim_commit_log(self, controller: Any) -> None:
+    def _trim_commit_log(self, commit_log: CommitLog) -> None:
         """Remove log segments older than what every selectable bundle replays from."""
         anchors = [path for _, path in list_step_dirs(self.checkpoint_dir)]
         anchors.append(bootstrap_dir(self.checkpoint_dir))
@@ -146,15 +182,16 @@ class CheckpointWriter:
             positions.append((train_state.get("commit_log") or {}).get("next_lsn"))
         keep_from = needed_from_lsn(positions)
         if keep_from is not None:
-            removed = controller.commit_log.trim(keep_from)
+            removed = commit_log.trim(keep_from)
             if removed:
                 log.info("commit log: removed %d segment(s) below LSN %d", len(removed), keep_from)
 
-    def _manifest_payload(self, kind: str, controller: Any) -> dict[str, Any]:
+    def _manifest_payload(self, kind: str) -> dict[str, Any]:
+        counters = self.run.controller
         return {
             "kind": kind,
-            "step": controller.state.step,
-            "trainer_version": controller.state.trainer_version,
+            "step": counters.step,
+            "trainer_version": counters.trainer_version,
             "fingerprint": self.fingerprint,
             "identity": self.identity,
             "authoritative": self.authoritative,
@@ -193,10 +230,10 @@ class CheckpointWriter:
             )
         return root
 
-    async def attempt_snapshot(self, controller: Any) -> Path | None:
+    async def attempt_snapshot(self) -> Path | None:
         """One periodic snapshot attempt; returns the published folder or None when skipped."""
         async with self._snapshot_lock:
-            step = controller.state.step
+            step = self.run.controller.step
             if step == 0:
                 anchor = self.ensure_bootstrap_anchor()
             else:
@@ -208,34 +245,31 @@ class CheckpointWriter:
             sequence = existing[-1][0] + 1 if existing else 1
             target = snapshot_dir(anchor, sequence)
             with atomic_directory(target) as tmp:
-                async with controller.barrier.capture():
-                    if controller.state.step != step:
+                async with self.barrier.capture():
+                    if self.run.controller.step != step:
                         self.snapshots_skipped += 1  # a step closed meanwhile: anchor is stale
                         raise _StaleAnchor
-                    authoritative = self.authoritative and self.cfg.checkpointing.save_data_plane
-                    state = capture_rollout_state(controller, authoritative=authoritative)
-                    await write_rollout_state(tmp, state, controller.data_plane)
-                await self._log_durable_through(controller, state)
-                write_manifest(
-                    tmp, {**self._manifest_payload("snapshot", controller), "sequence": sequence}
-                )
+                    state = self._capture()
+                    await write_rollout_state(tmp, state, self.data_plane)
+                await self._log_durable_through(state)
+                write_manifest(tmp, {**self._manifest_payload("snapshot"), "sequence": sequence})
             self.snapshots_written += 1
             remove_stale_temporaries(anchor / SNAPSHOTS_DIR)
             for _, old in list_snapshot_dirs(anchor)[
                 : -self.cfg.rollout_checkpointing.keep_latest_k
             ]:
                 shutil.rmtree(old, ignore_errors=True)
-            if getattr(controller, "commit_log", None) is not None:
-                self._trim_commit_log(controller)
+            if self.commit_log is not None:
+                self._trim_commit_log(self.commit_log)
             return target
 
-    async def snapshot_loop(self, controller: Any) -> None:
+    async def snapshot_loop(self) -> None:
         interval = self.cfg.rollout_checkpointing.snapshot_attempt_interval_s
         assert interval is not None
         while True:
             await asyncio.sleep(interval)
             try:
-                await self.attempt_snapshot(controller)
+                await self.attempt_snapshot()
             except _StaleAnchor:
                 continue
 

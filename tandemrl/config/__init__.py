@@ -1,7 +1,6 @@
 """Configuration: typed models, YAML loading (inheritance, interpolation, overrides,
 NeMo-RL names), one-pass checking, and the cross-field rules."""
 
-from tandemrl.config.capacity import required_buffer_capacity
 from tandemrl.config.check import ConfigReport, check_config, load_and_validate
 from tandemrl.config.errors import ConfigError
 from tandemrl.config.loader import config_to_dict, load_config, read_config
@@ -17,6 +16,5 @@ __all__ = [
     "load_and_validate",
     "load_config",
     "read_config",
-    "required_buffer_capacity",
     "validate_single_controller_config",
 ]

@@ -9,11 +9,9 @@ that all violations can be reported together.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, model_validator
-
-from tandemrl.config.capacity import admits_off_policy, required_buffer_capacity, widest_lookahead
 
 
 class Strict(BaseModel):
@@ -324,7 +322,11 @@ SamplerConfig = Annotated[
     Field(discriminator="name"),
 ]
 
-SAMPLER_MODES = ("in_order", "weight_fifo", "ready_first", "windowed", "custom")
+# The modes' names, as the config classes above spell them (for messages).
+SAMPLER_MODES: tuple[str, ...] = tuple(
+    get_args(model.model_fields["name"].annotation)[0]
+    for model in get_args(get_args(SamplerConfig)[0])
+)
 
 
 class RolloutFailureConfig(Strict):
@@ -549,15 +551,24 @@ class MasterConfig(Strict):
         if n is None or sampler is None:
             return data  # the invalid block is reported by validation
         if sampler.name == "custom":
-            buffered, inflight = 2 * n, n
+            buffered, inflight, off_policy = 2 * n, n, True
         else:
-            window = n * (widest_lookahead(sampler) + 1)
-            buffered = max(window, required_buffer_capacity(sampler, n))
+            # The sampler owns its rules (capacity, lookahead, off-policy data): ask it.
+            # Imported here: the samplers package imports this module.
+            from tandemrl.samplers import builtin_sampler
+
+            built = builtin_sampler(sampler, groups_per_step=n)
+            widest = getattr(built, "widest_lookahead_versions", None)
+            if widest is None:  # windowed: ungated, its window is max_staleness_versions
+                widest = sampler.max_staleness_versions
+            window = n * (widest + 1)
+            buffered = max(window, built.required_buffer_capacity(n))
             inflight = window
+            off_policy = built.off_policy_reason() is not None
         _fill(data, "async_rl", "min_groups_for_streaming_train", n)
         _fill(data, "async_rl", "max_buffered_rollouts", buffered)
         _fill(data, "async_rl", "max_inflight_prompts", inflight)
-        _fill(data, "loss_fn", "use_importance_sampling_correction", admits_off_policy(sampler))
+        _fill(data, "loss_fn", "use_importance_sampling_correction", off_policy)
         return data
 
     @property

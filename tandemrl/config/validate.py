@@ -15,11 +15,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from tandemrl.config.capacity import (
-    GATED_SAMPLER_MODES,
-    admits_off_policy,
-    required_buffer_capacity,
-)
 from tandemrl.config.errors import ConfigError
 from tandemrl.config.models import CustomSamplerConfig, MasterConfig, TorchGenerationConfig
 from tandemrl.config.weight_sync import facts_from_config, weight_sync_problems
@@ -28,7 +23,6 @@ from tandemrl.config.weight_sync import facts_from_config, weight_sync_problems
 NATIVE_SAVE_BACKENDS = ("local", "simple")
 RESTORE_MODES = ("latest", "trainer_checkpoint")
 SUPPORTED_GENERATION_BACKENDS = ("torch", "vllm", "fake")
-BUILTIN_SAMPLER_MODES = ("in_order", "weight_fifo", "ready_first", "windowed")
 
 
 def validate_single_controller_config(cfg: MasterConfig) -> list[str]:
@@ -50,6 +44,9 @@ class _Checker:
         self.sampler = cfg.async_rl.sampler
         # The imported class of a custom sampler (None when it failed to import).
         self._custom_class: type | None = None
+        # The built-in sampler the config describes (None: custom, or not built yet), asked
+        # for its rules: capacity, gate, off-policy data.
+        self._builtin: Any = None
 
     def error(self, message: str) -> None:
         self.errors.append(message)
@@ -88,11 +85,37 @@ class _Checker:
                 message = f"async_rl.sampler.target: {message}"
             self.error(message)
 
+    def builtin_sampler(self, algo: str) -> Any:
+        """The built-in sampler the config describes, to ask for its rules; None for custom."""
+        if isinstance(self.sampler, CustomSamplerConfig):
+            return None
+        if self._builtin is None:
+            from tandemrl.samplers import builtin_sampler
+
+            ppo = self.cfg.ppo if algo == "ppo" else None
+            self._builtin = builtin_sampler(
+                self.sampler,
+                groups_per_step=self.cfg.algorithm.num_prompts_per_step,
+                policy_training_start_step=0 if ppo is None else ppo.policy_training_start_step,
+            )
+        return self._builtin
+
+    @staticmethod
+    def sampler_is_gated(builtin: Any) -> bool:
+        """Whether a built-in sampler gates dispatch on the trainer version."""
+        from tandemrl.samplers import GatedSampler
+
+        return isinstance(builtin, GatedSampler)
+
     def sampler_declares(self, attribute: str) -> bool:
-        """Built-in samplers declare every capability; a custom class must set it to True."""
-        if self.sampler.name in BUILTIN_SAMPLER_MODES:
-            return True
-        return self._custom_class is not None and getattr(self._custom_class, attribute, False)
+        """Whether the sampler class declares a capability (True); a custom class must set it."""
+        if isinstance(self.sampler, CustomSamplerConfig):
+            sampler_class = self._custom_class
+        else:
+            from tandemrl.samplers import BUILTIN_SAMPLERS
+
+            sampler_class = BUILTIN_SAMPLERS[self.sampler.name]
+        return sampler_class is not None and bool(getattr(sampler_class, attribute, False))
 
     # ------------------------------------------------------------------ backends
 
@@ -194,7 +217,7 @@ class _Checker:
         self.check_sequence_length()
         self.check_streaming(algo)
         self.check_buffer_and_inflight(algo)
-        self.check_importance_sampling()
+        self.check_importance_sampling(algo)
         if algo == "ppo":
             self.check_ppo()
         else:
@@ -310,8 +333,10 @@ class _Checker:
         sampler = self.sampler
         n_prompts = self.cfg.algorithm.num_prompts_per_step
         min_groups = async_rl.min_groups_for_streaming_train
-        if sampler.name in BUILTIN_SAMPLER_MODES:
-            required = required_buffer_capacity(sampler, n_prompts)
+        # A custom sampler is built, and asked, at setup (tandemrl.controller.build).
+        builtin = self.builtin_sampler(algo)
+        if builtin is not None:
+            required = builtin.required_buffer_capacity(n_prompts)
             if async_rl.max_buffered_rollouts < required:
                 self.error(
                     f"async_rl.max_buffered_rollouts: {async_rl.max_buffered_rollouts} is below "
@@ -322,7 +347,7 @@ class _Checker:
                 )
         if async_rl.max_inflight_prompts < 1:
             self.error("async_rl.max_inflight_prompts: must be at least 1")
-        elif sampler.name in GATED_SAMPLER_MODES and async_rl.max_inflight_prompts < min_groups:
+        elif self.sampler_is_gated(builtin) and async_rl.max_inflight_prompts < min_groups:
             self.error(
                 f"async_rl.max_inflight_prompts: {async_rl.max_inflight_prompts} is below "
                 f"async_rl.min_groups_for_streaming_train ({min_groups}); under the gated "
@@ -330,17 +355,12 @@ class _Checker:
                 f"max_inflight_prompts to at least {min_groups}"
             )
 
-    def check_importance_sampling(self) -> None:
-        sampler = self.sampler
-        if sampler.name == "in_order":
-            knob = "async_rl.sampler.max_lookahead_versions"
-        elif sampler.name in ("weight_fifo", "windowed"):
-            knob = "async_rl.sampler.max_staleness_versions"
-        elif sampler.name == "ready_first":
-            knob = "async_rl.sampler.name (ready_first trains late stragglers)"
-        else:
+    def check_importance_sampling(self, algo: str) -> None:
+        builtin = self.builtin_sampler(algo)
+        if builtin is None:
             return
-        if admits_off_policy(sampler) and not self.cfg.loss_fn.use_importance_sampling_correction:
+        knob = builtin.off_policy_reason()
+        if knob is not None and not self.cfg.loss_fn.use_importance_sampling_correction:
             self.error(
                 "loss_fn.use_importance_sampling_correction: must be true because the sampler "
                 f"admits off-policy data ({knob}); set it to true, or make the sampler "
@@ -383,17 +403,13 @@ class _Checker:
                     f"async_rl.rollout_failure.{key}: must be 0 on a PPO run (got {value}); a "
                     "dropped prompt would shorten the step below value.train_global_batch_size"
                 )
-        for key in ("ppo_epochs", "critic_ppo_epochs"):
-            value = getattr(ppo, key)
-            if value < 1:
-                self.error(f"ppo.{key}: must be at least 1 (got {value})")
-        if cfg.loss_fn.reuse_training_logprobs and ppo.ppo_epochs > 1:
-            self.error(
-                f"loss_fn.reuse_training_logprobs: must be false with ppo.ppo_epochs > 1 (got "
-                f"{ppo.ppo_epochs}); from the second epoch on the training forward runs on "
-                "updated weights, so its logprobs are no longer the pre-step ones. Set it to "
-                "false, or ppo.ppo_epochs to 1"
+        self.errors.extend(
+            ppo_epoch_problems(
+                ppo_epochs=ppo.ppo_epochs,
+                critic_ppo_epochs=ppo.critic_ppo_epochs,
+                reuse_training_logprobs=cfg.loss_fn.reuse_training_logprobs,
             )
+        )
 
     def check_warmup_lookahead(self, algo: str) -> None:
         sampler = self.sampler
@@ -437,7 +453,7 @@ class _Checker:
     def check_checkpointing(self) -> None:
         cfg = self.cfg
         ckpt = cfg.checkpointing
-        builtin = self.sampler.name in BUILTIN_SAMPLER_MODES
+        builtin = not isinstance(self.sampler, CustomSamplerConfig)
         if ckpt.enabled and builtin and not ckpt.save_data_plane:
             self.error(
                 "checkpointing.save_data_plane: must be true when checkpointing.enabled is true "
@@ -600,6 +616,26 @@ class _Checker:
             )
         elif problem is not None:
             self.error(problem)
+
+
+def ppo_epoch_problems(
+    *, ppo_epochs: int, critic_ppo_epochs: int, reuse_training_logprobs: bool
+) -> list[str]:
+    """The PPO epoch rules, one message per violation (validation reports them with the rest;
+    ``PPOStepRunner`` refuses settings built without validation by the same rules)."""
+    problems = [
+        f"ppo.{key}: must be at least 1 (got {value})"
+        for key, value in (("ppo_epochs", ppo_epochs), ("critic_ppo_epochs", critic_ppo_epochs))
+        if value < 1
+    ]
+    if reuse_training_logprobs and ppo_epochs > 1:
+        problems.append(
+            f"loss_fn.reuse_training_logprobs: must be false with ppo.ppo_epochs > 1 (got "
+            f"{ppo_epochs}); from the second epoch on the training forward runs on updated "
+            "weights, so its logprobs are no longer the pre-step ones. Set it to false, or "
+            "ppo.ppo_epochs to 1"
+        )
+    return problems
 
 
 def _excluded_path_problem(path: Any) -> str:

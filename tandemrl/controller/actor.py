@@ -20,26 +20,28 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from tandemrl.checkpoint.restore import RestorePlan, resume
+from tandemrl.checkpoint.restore import RestorePlan
+from tandemrl.codec import TextCodec, text_codec
 from tandemrl.config.models import MasterConfig
 from tandemrl.config.redact import redact_tree
 from tandemrl.controller.build import ControllerParts, build_controller
 from tandemrl.controller.ray_proxy import ActorProxy
 from tandemrl.controller.single_controller import SingleController
-from tandemrl.controller.weight_sync import RayObjectStoreWeightSync, WeightSynchronizer
-from tandemrl.controller.weight_sync_cuda import CudaIpcWeightSync, NcclWeightSync
+from tandemrl.controller.weight_sync import (
+    CudaIpcWeightSync,
+    NcclWeightSync,
+    RayObjectStoreWeightSync,
+    WeightSynchronizer,
+)
 from tandemrl.data.prompt_format import PromptRenderer
 from tandemrl.envs import create_environment
 from tandemrl.metrics.logger import MetricsLogger
 from tandemrl.models import load_tokenizer, resolve_tokenizer_path, special_tokens
-from tandemrl.records import PromptItem
 from tandemrl.rollout.generation_pool import GenerationPool
-from tandemrl.rollout.manager import TextCodec
 
 
 def run_text_codec(cfg: MasterConfig, model_path: str) -> TextCodec:
@@ -65,76 +67,6 @@ def run_text_codec(cfg: MasterConfig, model_path: str) -> TextCodec:
             stop_strings=generation.stop_strings,
         ),
         pad_token_id=special_tokens.pad_token_id(tokenizer, model_path),
-    )
-
-
-def text_codec(
-    tokenizer: Any,
-    *,
-    render_prompt: Callable[[PromptItem], str] | None = None,
-    stop_token_ids: tuple[int, ...] = (),
-    pad_token_id: int | None = None,
-) -> TextCodec:
-    """Prompt text -> ids and completion ids -> text for the rollout manager.
-
-    The controller encodes every prompt and decodes every completion (128 per step on the
-    default job), so when the transformers wrapper would only forward to its ``tokenizers``
-    backend, the codec calls the backend directly and skips the wrapper's per-call argument
-    handling (about a tenth of the controller's CPU). ``_backend_is_exact`` lists when that
-    gives the very same ids and strings; otherwise the wrapper is called.
-    """
-    if pad_token_id is None:
-        pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    extras = {"render_prompt": render_prompt, "stop_token_ids": tuple(stop_token_ids)}
-    if _backend_is_exact(tokenizer):
-        backend = tokenizer.backend_tokenizer
-        return TextCodec(
-            encode=lambda text: backend.encode(text, add_special_tokens=False).ids,
-            decode=lambda ids: backend.decode(ids, skip_special_tokens=True),
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=pad_token_id,
-            **extras,
-        )
-    return TextCodec(
-        encode=lambda text: tokenizer.encode(text, add_special_tokens=False),
-        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=pad_token_id,
-        **extras,
-    )
-
-
-def _backend_is_exact(tokenizer: Any) -> bool:
-    """True when ``encode``/``decode`` of ``tokenizer`` are plain calls of its backend.
-
-    transformers' fast tokenizer encodes one text as ``backend.encode_batch([text])`` after
-    switching the backend's truncation and padding off and setting its special-token
-    splitting, and decodes as ``backend.decode`` followed by an optional space clean-up. So
-    the backend alone is exact when the class overrides none of those methods, the backend
-    has no truncation or padding set, its special-token splitting already matches, and the
-    clean-up is off.
-    """
-    try:
-        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
-        from transformers.tokenization_utils_tokenizers import TokenizersBackend
-    except ImportError:
-        return False
-    cls = type(tokenizer)
-    if not isinstance(tokenizer, TokenizersBackend):
-        return False
-    inherited = (
-        cls.encode is PreTrainedTokenizerBase.encode
-        and cls.decode is PreTrainedTokenizerBase.decode
-        and cls._encode_plus is TokenizersBackend._encode_plus
-        and cls._decode is TokenizersBackend._decode
-    )
-    backend = tokenizer.backend_tokenizer
-    return (
-        inherited
-        and backend.truncation is None
-        and backend.padding is None
-        and backend.encode_special_tokens == bool(tokenizer.split_special_tokens)
-        and not tokenizer.clean_up_tokenization_spaces
     )
 
 
@@ -215,7 +147,7 @@ class SingleControllerActor:
         try:
             self.controller = self._build(metrics)
             self._run_task = asyncio.current_task()
-            await resume(self.controller, plan)
+            await self.controller.resume(plan)
             return await self.controller.run()
         finally:
             metrics.close()  # flushes, and writes the plot

@@ -11,16 +11,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
+from tandemrl.barrier import CheckpointBarrier
 from tandemrl.buffer import ReplayBuffer
 from tandemrl.checkpoint.commit_log import CommitLog
-from tandemrl.checkpoint.commit_replay import commit_log_dir
+from tandemrl.checkpoint.commit_replay import CommitLogEvents, commit_log_dir
 from tandemrl.checkpoint.journal import RunJournal
-from tandemrl.checkpoint.layout import JOURNAL
-from tandemrl.checkpoint.writer import CheckpointWriter
+from tandemrl.checkpoint.layout import JOURNAL, POLICY_DIR, VALUE_DIR
+from tandemrl.checkpoint.writer import CheckpointedModel, CheckpointWriter
+from tandemrl.codec import TextCodec
+from tandemrl.config.errors import ConfigError
 from tandemrl.config.models import MasterConfig
-from tandemrl.controller.barrier import CheckpointBarrier
 from tandemrl.controller.ppo_step import PPOStepRunner
 from tandemrl.controller.single_controller import (
     ControllerSettings,
@@ -34,11 +36,13 @@ from tandemrl.data.dataloader import PromptDataLoader
 from tandemrl.dataplane import create_data_plane
 from tandemrl.dataplane.base import DataPlane
 from tandemrl.envs.base import Environment
+from tandemrl.rollout.events import OwnershipEvents
 from tandemrl.rollout.failures import FailureBudgets
 from tandemrl.rollout.generation_pool import GenerationPool
 from tandemrl.rollout.ledger import OwnershipLedger
-from tandemrl.rollout.manager import RolloutManager, SamplingParams, TextCodec
-from tandemrl.samplers import create_sampler
+from tandemrl.rollout.manager import RolloutManager, SamplingParams
+from tandemrl.run_state import ControllerState, RunState
+from tandemrl.samplers import PromptGroupSampler, create_sampler
 
 
 @dataclass
@@ -65,19 +69,17 @@ def make_step_runner(
     *,
     pad_token_id: int,
     value_trainer: Any = None,
-    sampler: Any = None,
 ) -> StepRunner:
     """GRPO: ``GRPOStepRunner``. PPO: ``PPOStepRunner`` over the policy and the critic
-    (``value_trainer``); it retunes ``sampler``'s lookahead when the critic warm-up ends."""
+    (``value_trainer``)."""
     if cfg.is_ppo:
         if value_trainer is None:
             raise ValueError(
                 "a PPO run needs a critic: pass value_trainer (ControllerParts.value_trainer)"
             )
-        return PPOStepRunner.from_config(
-            cfg, trainer, value_trainer, pad_token_id=pad_token_id, sampler=sampler
-        )
-    algo = cfg.algorithm
+        return PPOStepRunner.from_config(cfg, trainer, value_trainer, pad_token_id=pad_token_id)
+    algo = cfg.grpo
+    assert algo is not None  # validation: exactly one of grpo:/ppo:
     return GRPOStepRunner(
         trainer,
         group_size=algo.num_generations_per_prompt,
@@ -124,8 +126,12 @@ def build_controller(
         group_size=algo.num_generations_per_prompt, capacity=cfg.async_rl.max_buffered_rollouts
     )
     sampler = create_sampler(
-        cfg.async_rl.sampler, buffer, groups_per_step=algo.num_prompts_per_step
+        cfg.async_rl.sampler,
+        buffer,
+        groups_per_step=algo.num_prompts_per_step,
+        policy_training_start_step=0 if cfg.ppo is None else cfg.ppo.policy_training_start_step,
     )
+    check_buffer_capacity(sampler, cfg)
     data_plane = parts.data_plane or create_data_plane(cfg.data_plane)
     dataloader = parts.dataloader or PromptDataLoader.from_config(
         cfg.data, max_num_epochs=algo.max_num_epochs
@@ -138,7 +144,53 @@ def build_controller(
         # One engine batch per call, so early groups still come back early.
         max_requests_per_call=cfg.policy.generation.max_batch_size,
     )
+    run_state = RunState(
+        controller=ControllerState(),
+        buffer=buffer,
+        sampler=sampler,
+        ledger=OwnershipLedger(cfg.rollout_recovery, token_capture=cfg.token_capture.enabled),
+        budgets=FailureBudgets(failure),
+        dataloader=dataloader,
+    )
     barrier = CheckpointBarrier()
+    checkpointer: CheckpointWriter | None = None
+    journal: RunJournal | None = None
+    commit_log: CommitLog | None = None
+    events: OwnershipEvents | None = None
+    if cfg.checkpointing.enabled:
+        checkpoint_dir = Path(cfg.checkpointing.checkpoint_dir)
+        authoritative = sampler.supports_buffer_checkpoint
+        journal = RunJournal(checkpoint_dir / JOURNAL)
+        # Only over an authoritative replay index: shadow mode regenerates committed groups.
+        if (
+            cfg.rollout_checkpointing.commit_log
+            and authoritative
+            and cfg.checkpointing.save_data_plane
+        ):
+            commit_log = CommitLog(commit_log_dir(checkpoint_dir))
+        models: dict[str, CheckpointedModel] = {POLICY_DIR: parts.trainer}
+        if cfg.is_ppo and parts.value_trainer is not None:
+            models[VALUE_DIR] = parts.value_trainer
+        checkpointer = CheckpointWriter(
+            cfg,
+            model_path=model_path,
+            authoritative=authoritative,
+            run=run_state,
+            data_plane=data_plane,
+            barrier=barrier,
+            models=models,
+            commit_log=commit_log,
+        )
+        # The pumps report ownership changes once: to the log, which hands them to the
+        # journal, or to the journal alone.
+        events = journal
+        if commit_log is not None:
+            events = CommitLogEvents(
+                commit_log,
+                run_state,
+                records_reserve=failure.on_dropped_prompt == "replace",
+                journal=journal,
+            )
     generation_cfg = cfg.policy.generation
     eos = () if parts.codec.eos_token_id is None else (parts.codec.eos_token_id,)
     stop_ids = tuple(
@@ -159,33 +211,17 @@ def build_controller(
         ),
         group_size=algo.num_generations_per_prompt,
         failure_cfg=failure,
-        ledger=OwnershipLedger(cfg.rollout_recovery, token_capture=cfg.token_capture.enabled),
-        budgets=FailureBudgets(failure),
+        ledger=run_state.ledger,
+        budgets=run_state.budgets,
         barrier=barrier,
         overlong_filtering=algo.overlong_filtering,
         seed=algo.seed,
+        events=events,
     )
-    checkpointer = journal = commit_log = None
-    if cfg.checkpointing.enabled:
-        checkpointer = CheckpointWriter(
-            cfg,
-            model_path=model_path,
-            authoritative=bool(getattr(sampler, "supports_buffer_checkpoint", False)),
-        )
-        journal = RunJournal(Path(cfg.checkpointing.checkpoint_dir) / JOURNAL)
-        # Only over an authoritative replay index: shadow mode regenerates committed groups.
-        if (
-            cfg.rollout_checkpointing.commit_log
-            and checkpointer.authoritative
-            and cfg.checkpointing.save_data_plane
-        ):
-            commit_log = CommitLog(commit_log_dir(Path(cfg.checkpointing.checkpoint_dir)))
     return SingleController(
         settings=controller_settings(cfg),
-        buffer=buffer,
-        sampler=sampler,
+        run_state=run_state,
         data_plane=data_plane,
-        dataloader=dataloader,
         rollout_manager=manager,
         generation=pool,
         trainer=parts.trainer,
@@ -195,25 +231,45 @@ def build_controller(
             parts.trainer,
             pad_token_id=parts.codec.pad_token_id,
             value_trainer=parts.value_trainer,
-            sampler=sampler,
         ),
         weight_sync=_weight_sync(parts, pool),
         barrier=barrier,
         step_hooks=step_hooks,
+        events=events,
         checkpointer=checkpointer,
         journal=journal,
-        watchdog_cfg=cfg.async_rl.stall_watchdog,
         commit_log=commit_log,
+        watchdog_cfg=cfg.async_rl.stall_watchdog,
         metrics_sink=parts.metrics_sink,
     )
 
 
+def check_buffer_capacity(sampler: PromptGroupSampler, cfg: MasterConfig) -> None:
+    """Refuse a buffer smaller than the sampler needs: the rollout pump would deadlock.
+
+    Validation asks a built-in sampler before anything starts; a custom sampler's class is
+    only built here, so this is where its declared capacity is checked (every sampler is
+    asked, by the same rule).
+    """
+    groups_per_step = cfg.algorithm.num_prompts_per_step
+    required = sampler.required_buffer_capacity(groups_per_step)
+    buffered = cfg.async_rl.max_buffered_rollouts
+    if buffered < required:
+        raise ConfigError(
+            f"async_rl.max_buffered_rollouts: {buffered} is below the {sampler.name} sampler's "
+            f"required capacity {required} (its required_buffer_capacity("
+            f"{groups_per_step})) — the rollout pump would deadlock; raise it to at least "
+            f"{required}"
+        )
+
+
 def _weight_sync(parts: ControllerParts, pool: GenerationPool) -> WeightSynchronizer:
-    if parts.weight_sync is None:
+    given = parts.weight_sync
+    if given is None:
         return DirectWeightSync(parts.trainer, pool)
-    if callable(parts.weight_sync) and not hasattr(parts.weight_sync, "sync"):
-        return parts.weight_sync(pool)
-    return parts.weight_sync
+    if hasattr(given, "sync"):
+        return cast(WeightSynchronizer, given)
+    return given(pool)
 
 
 def build_fake_controller(

@@ -20,10 +20,8 @@ as one chunk. ``train_chunk`` only collects the chunk's rows; ``finish`` trains 
 ``ppo.policy_training_start_step`` only the critic trains, ``refit_after_step()`` is False
 (the controller skips the weight sync) and the trainer version still advances.
 
-Dispatch lookahead: the sampler starts with ``warmup_lookahead_versions`` when it is set. The
-runner puts it back to ``max_lookahead_versions`` in the ``finish`` of the last warm-up step,
-*before* the controller bumps the version, so no prompt is admitted at a post-warm-up
-version under the wider gate (``begin`` re-applies the rule, e.g. after a resume).
+Dispatch lookahead during the warm-up is the sampler's rule, not the runner's: in_order
+knows ``ppo.policy_training_start_step`` and answers ``lookahead_at(version)`` itself.
 
 Warm start: ``warm_start_critic`` seeds the critic from ``ppo.warm_start_value_checkpoint``
 (a ``step_N`` folder or its ``value/`` subfolder) on a fresh run, and does nothing on a
@@ -40,15 +38,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
+from tandemrl.buffer import Slot
 from tandemrl.config.models import MasterConfig
-from tandemrl.controller.step_runner import collate_step_rows
+from tandemrl.config.validate import ppo_epoch_problems
+from tandemrl.controller.step_runner import StepRows, collate_step_rows
 from tandemrl.training.advantages import gae, sequence_rewards_to_tokens, whiten
 from tandemrl.training.api import TrainBatch, Trainer, ValueTrainer
 from tandemrl.training.batch import count_loss_tokens, loss_mask
@@ -56,6 +56,12 @@ from tandemrl.training.losses import AllMaskedStepError
 from tandemrl.training.worker_common import WORKER_STATE_FILE
 
 log = logging.getLogger(__name__)
+
+
+class OffloadingTrainer(Trainer, Protocol):
+    """The policy trainer of a PPO run: it can move its optimizer off the device."""
+
+    async def offload_optimizer(self) -> None: ...
 
 
 class WarmStartError(ValueError):
@@ -71,8 +77,6 @@ class PPOSettings:
     lam: float
     normalize_advantages: bool
     offload_optimizer: bool
-    max_lookahead_versions: int | None
-    warmup_lookahead_versions: int | None
     warm_start_value_checkpoint: str | None
     reuse_training_logprobs: bool = False
 
@@ -81,7 +85,6 @@ class PPOSettings:
         ppo = cfg.ppo
         if ppo is None:
             raise ValueError("PPOSettings.from_config needs a config with a ppo: block")
-        sampler = cfg.async_rl.sampler
         return cls(
             ppo_epochs=ppo.ppo_epochs,
             critic_ppo_epochs=ppo.critic_ppo_epochs,
@@ -90,22 +93,12 @@ class PPOSettings:
             lam=ppo.adv_estimator.lambda_,
             normalize_advantages=ppo.adv_estimator.normalize_advantages,
             offload_optimizer=cfg.policy.offload_optimizer_for_logprob,
-            max_lookahead_versions=getattr(sampler, "max_lookahead_versions", None),
-            warmup_lookahead_versions=getattr(sampler, "warmup_lookahead_versions", None),
             warm_start_value_checkpoint=ppo.warm_start_value_checkpoint,
             reuse_training_logprobs=cfg.loss_fn.reuse_training_logprobs,
         )
 
     def policy_trains_at(self, version: int) -> bool:
         return version >= self.policy_training_start_step
-
-    def lookahead_at(self, version: int) -> int | None:
-        """Dispatch lookahead for trainer ``version``; None: the sampler's own is right."""
-        if self.warmup_lookahead_versions is None or self.max_lookahead_versions is None:
-            return None
-        if self.policy_trains_at(version):
-            return self.max_lookahead_versions
-        return self.warmup_lookahead_versions
 
 
 def resolve_value_checkpoint(path: str | Path) -> Path:
@@ -186,35 +179,30 @@ class PPOStepRunner:
 
     def __init__(
         self,
-        trainer: Trainer,
+        trainer: OffloadingTrainer,
         value_trainer: ValueTrainer,
         *,
         settings: PPOSettings,
         pad_token_id: int,
-        sampler: Any | None = None,
         warm_start: WarmStart | None = None,
     ) -> None:
         """``warm_start``: ``async (value_trainer, resuming) -> bool``; default does nothing."""
-        if settings.ppo_epochs < 1 or settings.critic_ppo_epochs < 1:
-            raise ValueError(
-                f"ppo.ppo_epochs ({settings.ppo_epochs}) and ppo.critic_ppo_epochs "
-                f"({settings.critic_ppo_epochs}) must both be at least 1"
-            )
-        if settings.reuse_training_logprobs and settings.ppo_epochs > 1:
-            raise ValueError(
-                "loss_fn.reuse_training_logprobs: must be false with ppo.ppo_epochs > 1 (got "
-                f"{settings.ppo_epochs}): later epochs train on updated weights"
-            )
+        problems = ppo_epoch_problems(
+            ppo_epochs=settings.ppo_epochs,
+            critic_ppo_epochs=settings.critic_ppo_epochs,
+            reuse_training_logprobs=settings.reuse_training_logprobs,
+        )
+        if problems:
+            raise ValueError("; ".join(problems))
         self.trainer = trainer
         self.value_trainer = value_trainer
         self.settings = settings
         self.pad_token_id = pad_token_id
-        self.sampler = sampler
         self._warm_start = warm_start
         self._warm_start_checked = False
         self._version: int | None = None
-        self._slots: list[Any] = []
-        self._rows: dict[str, dict[str, torch.Tensor]] = {}
+        self._slots: list[Slot] = []
+        self._rows: dict[str, Mapping[str, torch.Tensor]] = {}
         self._step_num_sequences = 0
         self._policy_trained = False
 
@@ -222,11 +210,10 @@ class PPOStepRunner:
     def from_config(
         cls,
         cfg: MasterConfig,
-        trainer: Trainer,
+        trainer: OffloadingTrainer,
         value_trainer: ValueTrainer,
         *,
         pad_token_id: int,
-        sampler: Any | None = None,
     ) -> PPOStepRunner:
         async def warm_start(critic: Any, resuming: bool) -> bool:
             return await warm_start_critic(critic, cfg, resuming=resuming)
@@ -236,7 +223,6 @@ class PPOStepRunner:
             value_trainer,
             settings=PPOSettings.from_config(cfg),
             pad_token_id=pad_token_id,
-            sampler=sampler,
             warm_start=warm_start,
         )
 
@@ -247,7 +233,6 @@ class PPOStepRunner:
             self._warm_start_checked = True
             if self._warm_start is not None:
                 await self._warm_start(self.value_trainer, version > 0)
-        self._apply_lookahead(version)
         self._version = version
         self._slots = []
         self._rows = {}
@@ -255,7 +240,7 @@ class PPOStepRunner:
         self._policy_trained = False
 
     async def train_chunk(
-        self, slots: list[Any], rows: dict[str, dict[str, torch.Tensor]], *, step_num_sequences: int
+        self, slots: list[Slot], rows: StepRows, *, step_num_sequences: int
     ) -> None:
         if self._version is None:
             raise RuntimeError("train_chunk called before begin")
@@ -330,22 +315,12 @@ class PPOStepRunner:
             metrics.update(policy)
             metrics["policy_s"] = time.perf_counter() - started
         self._policy_trained = policy_trains
-        # The controller bumps to version + 1 next: the gate must be right before it does.
-        self._apply_lookahead(version + 1)
         return metrics
 
     def refit_after_step(self) -> bool:
         return self._policy_trained
 
     # ------------------------------------------------------------------ helpers
-
-    def _apply_lookahead(self, version: int) -> None:
-        lookahead = self.settings.lookahead_at(version)
-        if lookahead is None or self.sampler is None:
-            return
-        if self.sampler.lookahead_versions != lookahead:
-            log.info("trainer version %d: dispatch lookahead %d", version, lookahead)
-            self.sampler.set_lookahead(lookahead)
 
     @staticmethod
     def _batch_metrics(batch: TrainBatch) -> dict[str, float]:

@@ -25,5 +25,5 @@ class ActorProxy:
         call.__name__ = name
         return call
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[ActorProxy], tuple[Any]]:
         return (ActorProxy, (self.handle,))

@@ -212,7 +212,7 @@ def _drive(cfg: MasterConfig, launched: Any, signals: StopSignals) -> int:
         total_steps=cfg.algorithm.max_num_steps,
         initial_step=max(launched.resume_step - 1, 0),
     )
-    step = max(launched.resume_step - 1, 0)
+    step = int(max(launched.resume_step - 1, 0))
     seen = 0
     stop_deadline: float | None = None
     try:

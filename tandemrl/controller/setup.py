@@ -171,7 +171,7 @@ def launch(
     if plan is None:
         plan = plan_restore(cfg)
 
-    resources = ray.cluster_resources()
+    resources = ray.cluster_resources()  # type: ignore[no-untyped-call]  # unannotated in ray
     placement = plan_placement(
         cfg, cluster_cpus=resources.get("CPU", 1.0), cluster_gpus=resources.get("GPU", 0.0)
     )
@@ -231,7 +231,7 @@ def launch(
             num_gpus=placement.value_gpus,
         )
     controller = (
-        ray.remote(num_cpus=0, max_concurrency=8)(SingleControllerActor)
+        ray.remote(num_cpus=0, max_concurrency=8)(SingleControllerActor)  # type: ignore[call-overload]  # ray types no actor options here
         .options(name=None)
         .remote(
             cfg,

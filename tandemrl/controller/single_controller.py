@@ -16,6 +16,12 @@ Train pump, per RL step:
 Both pumps share one ``asyncio`` loop; nothing here blocks it. A crash in either pump ends
 the run with the original exception; in-flight rollouts are cancelled on exit (they stay in
 the ownership ledger, so a checkpoint written then still owns them).
+
+State and persistence: what a checkpoint holds is one ``RunState`` (``tandemrl.run_state``:
+the counters, the buffer, the sampler, the ledger, the budgets, the dataloader, the
+replacement reserve); the checkpoint writer captures it without seeing the controller. Each
+change of a group's owner is reported once to ``events`` (``tandemrl.rollout.events``: the
+journal and the commit log), never written here.
 """
 
 from __future__ import annotations
@@ -26,17 +32,17 @@ import logging
 import math
 import sys
 import time
-from collections import Counter
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
+from tandemrl.barrier import CheckpointBarrier
+from tandemrl.buffer import Slot
 from tandemrl.checkpoint.commit_log import CommitLog
-from tandemrl.checkpoint.commit_replay import CommitRecorder
 from tandemrl.checkpoint.journal import RunJournal
+from tandemrl.checkpoint.restore import RestorePlan, resume
 from tandemrl.checkpoint.writer import CheckpointWriter
 from tandemrl.config.models import StallWatchdogConfig
-from tandemrl.controller.barrier import CheckpointBarrier
 from tandemrl.controller.eviction_warning import EvictionWatch
 from tandemrl.controller.step_metrics import StepAccumulator, TrainedGroup
 from tandemrl.controller.step_runner import StepRunner
@@ -44,10 +50,12 @@ from tandemrl.controller.watchdog import stall_watchdog
 from tandemrl.controller.weight_sync import WeightSynchronizer
 from tandemrl.dataplane.base import DataPlane
 from tandemrl.records import PromptItem
+from tandemrl.rollout.events import OwnershipEvents
 from tandemrl.rollout.failures import RolloutDropped
 from tandemrl.rollout.generation_pool import GenerationPool
 from tandemrl.rollout.ledger import UnfinishedGroup
 from tandemrl.rollout.manager import GroupAborted, RolloutManager
+from tandemrl.run_state import RunState
 from tandemrl.training.api import Trainer
 
 log = logging.getLogger(__name__)
@@ -77,32 +85,6 @@ class ControllerSettings:
     sample_log_period: int = 0
 
 
-@dataclass
-class ControllerState:
-    """What the controller itself must persist (checkpoints add sampler, buffer, ledger...)."""
-
-    step: int = 0
-    trainer_version: int = 0
-    consumed_groups: int = 0
-    dropped_for_step: Counter[int] = field(default_factory=Counter)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "trainer_version": self.trainer_version,
-            "consumed_groups": self.consumed_groups,
-            "dropped_for_step": {str(k): v for k, v in self.dropped_for_step.items()},
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step = int(state["step"])
-        self.trainer_version = int(state["trainer_version"])
-        self.consumed_groups = int(state["consumed_groups"])
-        self.dropped_for_step = Counter(
-            {int(k): int(v) for k, v in state["dropped_for_step"].items()}
-        )
-
-
 StepHook = Callable[["SingleController", dict[str, float]], Awaitable[None]]
 
 
@@ -110,9 +92,9 @@ class StepSink(Protocol):
     """Where each step's metrics row (and now and then a few samples) is written, in the
     controller's process, before the step's checkpoint (``tandemrl.metrics.MetricsLogger``)."""
 
-    def log_step(self, metrics: dict[str, Any]) -> None: ...
+    def log_step(self, metrics: Mapping[str, Any]) -> None: ...
 
-    def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None: ...
+    def log_samples(self, step: int, samples: Sequence[Mapping[str, Any]]) -> None: ...
 
 
 class SingleController:
@@ -120,10 +102,8 @@ class SingleController:
         self,
         *,
         settings: ControllerSettings,
-        buffer,  # tandemrl.buffer.ReplayBuffer
-        sampler,  # tandemrl.samplers.PromptGroupSampler
+        run_state: RunState,
         data_plane: DataPlane,
-        dataloader,  # tandemrl.data.PromptDataLoader
         rollout_manager: RolloutManager,
         generation: GenerationPool,
         trainer: Trainer,
@@ -131,18 +111,23 @@ class SingleController:
         weight_sync: WeightSynchronizer,
         barrier: CheckpointBarrier,
         step_hooks: list[StepHook] | None = None,
+        events: OwnershipEvents | None = None,
         checkpointer: CheckpointWriter | None = None,
         journal: RunJournal | None = None,
-        watchdog_cfg: StallWatchdogConfig | None = None,
         commit_log: CommitLog | None = None,
+        watchdog_cfg: StallWatchdogConfig | None = None,
         metrics_sink: StepSink | None = None,
     ) -> None:
         self.settings = settings
         self.metrics_sink = metrics_sink
-        self.buffer = buffer
-        self.sampler = sampler
+        self.run_state = run_state
+        # The parts of the run state the pumps touch per group, bound once (the same objects:
+        # a restore loads into them in place).
+        self.state = run_state.controller
+        self.buffer = run_state.buffer
+        self.sampler = run_state.sampler
+        self.dataloader = run_state.dataloader
         self.data_plane = data_plane
-        self.dataloader = dataloader
         self.rollout_manager = rollout_manager
         self.generation = generation
         self.trainer = trainer
@@ -150,26 +135,15 @@ class SingleController:
         self.weight_sync = weight_sync
         self.barrier = barrier
         self.step_hooks = list(step_hooks or [])
-        self.rollout_manager.on_change = self._notify
+        # Ownership changes go here (the journal, the commit log); None: neither is on.
+        self.events = events
         self.checkpointer = checkpointer
+        # Opened and closed with the run (``events`` writes to them).
+        self.journal = journal
+        self.commit_log = commit_log
         self.watchdog_cfg = watchdog_cfg
         self.stall_warnings = 0
         self.inflight_started_at: dict[str, float] = {}
-        self.journal = journal
-        if journal is not None:
-            self.rollout_manager.on_commit = self._journal_commit
-        # Write-ahead record of ownership changes between snapshots (None: off, no hook runs).
-        self.commit_log = commit_log
-        self.commit_recorder = None if commit_log is None else CommitRecorder(commit_log, self)
-        self.rollout_manager.commit_recorder = self.commit_recorder
-        if journal is not None or commit_log is not None:
-            self.rollout_manager.on_staged = self._on_staged
-        self._last_checkpoint_step: int | None = None
-        # Spare prompts for on_dropped_prompt=replace (saved in checkpoints).
-        self._replacement_reserve: list[PromptItem] = []
-        self.state = ControllerState()
-        # Groups restored from a checkpoint's ownership ledger, redispatched before new prompts.
-        self.recovered_groups: list[UnfinishedGroup] = []
         self._inflight: dict[str, asyncio.Task[None]] = {}
         self._abort_requested: set[str] = set()
         self._rollout_permission = asyncio.Event()
@@ -196,10 +170,10 @@ class SingleController:
         # (step index, group) for every group trained by this process: the per-run record.
         self.trained_groups: list[tuple[int, TrainedGroup]] = []
         self.eviction_watch = EvictionWatch.for_sampler(
-            sampler,
+            self.sampler,
             groups_per_step=settings.num_prompts_per_step,
             max_inflight_prompts=settings.max_inflight_prompts,
-            buffer_capacity=buffer.capacity,
+            buffer_capacity=self.buffer.capacity,
         )
 
     # ------------------------------------------------------------------ public
@@ -229,6 +203,21 @@ class SingleController:
         self.stop_requested = True
         self._notify()
 
+    async def resume(self, plan: RestorePlan) -> dict[str, Any]:
+        """Re-install what ``plan`` chose (``tandemrl.checkpoint.restore.resume``) before
+        ``run``; with checkpointing off only a fresh start is possible."""
+        if self.checkpointer is None:
+            if not plan.fresh:
+                raise ValueError(f"cannot {plan.describe()}: checkpointing is off")
+            return {"commit_log_tip": None}
+        return await resume(
+            plan,
+            self.checkpointer,
+            replayed_rows=self.rollout_manager,
+            sync_weights=self.weight_sync.sync,
+            journal=self.journal,
+        )
+
     async def run(self) -> list[dict[str, float]]:
         """Run both pumps until max_num_steps or the data runs out; return per-step metrics."""
         self._acc = StepAccumulator()
@@ -247,7 +236,7 @@ class SingleController:
             and self.checkpointer.cfg.rollout_checkpointing.snapshot_attempt_interval_s
         ):
             background.append(
-                asyncio.create_task(self.checkpointer.snapshot_loop(self), name="snapshots")
+                asyncio.create_task(self.checkpointer.snapshot_loop(), name="snapshots")
             )
         # Everything alive now (torch, Ray, the dataset) outlives the run: frozen, it is not
         # rescanned by the collector's full passes (each one stalls both pumps for a scan of
@@ -305,9 +294,10 @@ class SingleController:
     async def _rollout_pump(self) -> None:
         # Groups restored from a checkpoint were admitted before the crash and are in the ledger
         # already (so a snapshot taken while they wait still owns them): reserve and relaunch.
-        while self.recovered_groups and not self._stopping:
+        recovered = self.run_state.recovered_groups
+        while recovered and not self._stopping:
             await self._wait_for_room()
-            group = self.recovered_groups.pop(0)
+            group = recovered.pop(0)
             self.rollout_manager.reserve_recovered(group, current_weight=self.trainer_version)
             await self._wait_for_permission()
             self._launch(group)
@@ -329,8 +319,8 @@ class SingleController:
             group = self.rollout_manager.reserve(
                 item, start_weight=self.trainer_version, target_step=target_step
             )
-            if self.commit_recorder is not None:
-                self.commit_recorder.admitted(group)
+            if self.events is not None:
+                self.events.admitted(group)
             # Generation starts once the engines hold the weights of the group's start version.
             if not self._rollout_permission.is_set():
                 await self._wait_for_permission()
@@ -349,23 +339,25 @@ class SingleController:
     def _fill_replacement_reserve(self) -> None:
         if self.settings.on_dropped_prompt != "replace":
             return
+        reserve = self.run_state.replacement_reserve
         drawn = 0
-        while len(self._replacement_reserve) < self.settings.replacement_reserve_size:
+        while len(reserve) < self.settings.replacement_reserve_size:
             item = self.dataloader.next_item()
             if item is None:
                 break
-            self._replacement_reserve.append(item)
+            reserve.append(item)
             drawn += 1
-        if drawn and self.commit_recorder is not None:
-            self.commit_recorder.reserve_filled()
+        if drawn and self.events is not None:
+            self.events.reserve_filled()
 
     def _has_prompt(self) -> bool:
-        return not self.dataloader.exhausted or bool(self._replacement_reserve)
+        return not self.dataloader.exhausted or bool(self.run_state.replacement_reserve)
 
     def _take_prompt(self) -> PromptItem | None:
         item = self.dataloader.next_item()
-        if item is None and self._replacement_reserve:
-            return self._replacement_reserve.pop(0)
+        reserve = self.run_state.replacement_reserve
+        if item is None and reserve:
+            return reserve.pop(0)
         return item
 
     def _no_room(self) -> bool:
@@ -403,8 +395,10 @@ class SingleController:
                 self.last_progress_at = time.monotonic()
             except RolloutDropped as dropped:
                 self._acc.dropped_prompts += 1
+                slot = dropped.slot
+                assert slot is not None  # the manager removed it before re-raising
                 try:
-                    self._after_drop(group, dropped.slot)
+                    self._after_drop(group, slot)
                 finally:
                     self._log_dropped(group)
             except GroupAborted:
@@ -428,12 +422,12 @@ class SingleController:
             self._notify()
 
     def _log_dropped(self, group: UnfinishedGroup) -> None:
-        if self.commit_recorder is not None:
-            self.commit_recorder.dropped(group)
+        if self.events is not None:
+            self.events.dropped(group)
 
-    def _after_drop(self, group: UnfinishedGroup, slot: Any) -> None:
+    def _after_drop(self, group: UnfinishedGroup, slot: Slot) -> None:
         """A dropped group: replace it from the reserve, or let its step train short."""
-        if self.settings.on_dropped_prompt == "replace" and self._replacement_reserve:
+        if self.settings.on_dropped_prompt == "replace" and self.run_state.replacement_reserve:
             self._replace_dropped(slot)
             return
         step = group.target_step if group.target_step is not None else self.trainer_version
@@ -448,7 +442,7 @@ class SingleController:
                 f"async_rl.rollout_failure.min_step_batch_fraction) = {floor}"
             )
 
-    def _replace_dropped(self, slot: Any) -> None:
+    def _replace_dropped(self, slot: Slot) -> None:
         """Fill the dropped group's place: move a ready group of a later step forward when one
         exists (the step trains on time), and dispatch a spare prompt for the place it left."""
         self.sampler.on_group_removed(slot)
@@ -464,16 +458,16 @@ class SingleController:
                 donor_step = donor.target_step
                 self.buffer.promote_ready_group(donor.group_id, hole)
                 self.sampler.on_group_promoted(from_step=donor_step, to_step=hole)
-                if self.commit_recorder is not None:
-                    self.commit_recorder.promoted(donor.group_id, hole)
+                if self.events is not None:
+                    self.events.promoted(donor.group_id, hole)
                 hole = donor_step
         target_step = self.sampler.admit_replacement(hole)
-        spare = self._replacement_reserve.pop(0)
+        spare = self.run_state.replacement_reserve.pop(0)
         group = self.rollout_manager.reserve(
             spare, start_weight=self.trainer_version, target_step=target_step
         )
-        if self.commit_recorder is not None:
-            self.commit_recorder.admitted(group)
+        if self.events is not None:
+            self.events.admitted(group)
         self._launch(group)
         self._acc.replaced_prompts += 1
 
@@ -495,7 +489,7 @@ class SingleController:
     async def _train_one_step(self) -> bool:
         version = self.trainer_version
         groups_wanted = self._groups_for_step(version)
-        claimed: list[Any] = []
+        claimed: list[Slot] = []
         began = False
         while len(claimed) < groups_wanted:
             await self._evict(version)
@@ -568,8 +562,11 @@ class SingleController:
     def _on_tail_done(self, task: asyncio.Task[None]) -> None:
         # A failed tail (a sync error, a hook) ends the run at once, even while the train pump
         # waits for data that a failed sync would never let generation produce.
-        if not task.cancelled() and task.exception() is not None:
-            self._end_run_with(task.exception())
+        if task.cancelled():
+            return
+        failure = task.exception()
+        if failure is not None:
+            self._end_run_with(failure)
 
     def _end_run_with(self, exc: BaseException) -> None:
         """``run`` re-raises ``exc`` (the first such failure wins) and shuts down."""
@@ -588,15 +585,13 @@ class SingleController:
         if evicted:
             async with self.barrier.mutation():
                 await self.data_plane.clear([sid for slot in evicted for sid in slot.sample_ids])
-                for slot in evicted:
-                    self.rollout_manager.committed_items.pop(slot.group_id, None)
             self._acc.evicted_groups += len(evicted)
-            if self.journal is not None:
-                self.journal.record("evicted", groups=[slot.group_id for slot in evicted])
+            if self.events is not None:
+                self.events.evicted([slot.group_id for slot in evicted])
             self._notify()
 
     async def _train_chunk(
-        self, slots: list[Any], version: int, *, step_num_sequences: int
+        self, slots: list[Slot], version: int, *, step_num_sequences: int
     ) -> None:
         rows = await self.data_plane.get([sid for slot in slots for sid in slot.sample_ids])
         await self.step_runner.train_chunk(slots, rows, step_num_sequences=step_num_sequences)
@@ -615,7 +610,7 @@ class SingleController:
             self._acc.groups.append(trained)
             self.trained_groups.append((self.state.step, trained))
 
-    async def _close_step(self, claimed: list[Any]) -> None:
+    async def _close_step(self, claimed: list[Slot]) -> None:
         """Consume the step's groups and advance the step and trainer version as one unit.
 
         Done under the barrier: a snapshot sees either the step open (its groups selectable
@@ -627,16 +622,14 @@ class SingleController:
         async with self.barrier.mutation():
             sample_ids = self.buffer.release_claims(group_ids, consumed=True)
             await self.data_plane.clear(sample_ids)
-            for group_id in group_ids:
-                self.rollout_manager.committed_items.pop(group_id, None)
             self.state.consumed_groups += len(group_ids)
             self.state.trainer_version += 1
             self.state.step += 1
             self._rollout_permission.clear()
-        if self.journal is not None:
-            self.journal.record("trained", step=self.state.step, groups=group_ids)
+        if self.events is not None:
+            self.events.trained(self.state.step, group_ids)
 
-    async def _roll_back(self, claimed: list[Any]) -> None:
+    async def _roll_back(self, claimed: list[Slot]) -> None:
         if claimed:
             self.buffer.release_claims([slot.group_id for slot in claimed], consumed=False)
             self._notify()
@@ -665,57 +658,16 @@ class SingleController:
                 self._abort_requested.add(group_id)
                 task.cancel()
 
-    def mark_checkpointed(self, step: int) -> None:
-        """``step_<step>`` is already durable (a restore resumed from it)."""
-        self._last_checkpoint_step = step
-
     async def _final_checkpoint(self) -> None:
-        if self.checkpointer is None or self.state.step == 0:
+        checkpointer = self.checkpointer
+        if checkpointer is None or self.state.step == 0:
             return
-        if self._last_checkpoint_step != self.state.step:
-            await self.checkpointer.save_trainer_checkpoint(self)
-            self._last_checkpoint_step = self.state.step
+        if checkpointer.last_saved_step != self.state.step:
+            await checkpointer.save_trainer_checkpoint()
 
     async def _maybe_checkpoint(self) -> None:
         if self.checkpointer is not None and self.checkpointer.due(self.state.step, last=False):
-            await self.checkpointer.save_trainer_checkpoint(self)
-            self._last_checkpoint_step = self.state.step
-
-    def _journal_commit(self, group: UnfinishedGroup, fresh_siblings: list[int]) -> None:
-        assert self.journal is not None
-        self.journal.record("generated", group_id=group.group_id, fresh_siblings=fresh_siblings)
-
-    def _on_staged(self, group: UnfinishedGroup, siblings: list[int]) -> None:
-        """Siblings finished: into the commit log (sibling recovery), then the run journal —
-        once the log record is written, when there is one (a restart keeps them from then)."""
-        journal = self.journal
-        record = None
-        if journal is not None:
-            group_id = group.group_id
-
-            def record() -> None:
-                journal.record("staged", group_id=group_id, siblings=siblings)
-
-        if self.commit_recorder is not None and self.commit_recorder.staged(
-            group, siblings, after_write=record
-        ):
-            return
-        if record is not None:
-            record()
-
-    # ------------------------------------------------------------------ checkpoint support
-
-    def committed_prompts(self) -> list[PromptItem]:
-        """Prompts of the committed, unconsumed groups (in buffer order)."""
-        items = self.rollout_manager.committed_items
-        slots = [*self.buffer.live_groups(), *self.buffer.claimed_groups()]
-        return [items[slot.group_id] for slot in slots if slot.ready]
-
-    def replacement_reserve_items(self) -> list[PromptItem]:
-        return list(self._replacement_reserve)
-
-    def replacement_reserve_restore(self, items: list[PromptItem]) -> None:
-        self._replacement_reserve = list(items)
+            await self.checkpointer.save_trainer_checkpoint()
 
     async def _finish_step_bookkeeping(
         self, acc: StepAccumulator, train_metrics: dict[str, float], sync_seconds: float

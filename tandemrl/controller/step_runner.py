@@ -17,20 +17,25 @@ per step fewer; exact because the weights change only in ``finish``).
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections.abc import Mapping
+from typing import Protocol
 
 import torch
 
+from tandemrl.buffer import Slot
 from tandemrl.training.advantages import broadcast_sequence_values, grpo_advantages_grouped
 from tandemrl.training.api import TrainBatch, Trainer
 from tandemrl.training.batch import collate_rows
+
+# A step's rows, by sample id (as the data plane hands them out).
+StepRows = Mapping[str, Mapping[str, torch.Tensor]]
 
 
 class StepRunner(Protocol):
     async def begin(self, *, version: int) -> None: ...
 
     async def train_chunk(
-        self, slots: list[Any], rows: dict[str, dict[str, torch.Tensor]], *, step_num_sequences: int
+        self, slots: list[Slot], rows: StepRows, *, step_num_sequences: int
     ) -> None: ...
 
     async def finish(self) -> dict[str, float]: ...
@@ -38,9 +43,7 @@ class StepRunner(Protocol):
     def refit_after_step(self) -> bool: ...
 
 
-def collate_step_rows(
-    slots: list[Any], rows: dict[str, dict[str, torch.Tensor]], *, pad_token_id: int
-) -> TrainBatch:
+def collate_step_rows(slots: list[Slot], rows: StepRows, *, pad_token_id: int) -> TrainBatch:
     """Collate the groups' rows in slot order and stamp each row's version fields."""
     batch = collate_rows([rows[sid] for slot in slots for sid in slot.sample_ids], pad_token_id)
     group_size = len(slots[0].sample_ids)
@@ -74,9 +77,7 @@ class GRPOStepRunner:
     async def begin(self, *, version: int) -> None:
         await self.trainer.begin_train_step()
 
-    def advantage_stage(
-        self, slots: list[Any], rows: dict[str, dict[str, torch.Tensor]]
-    ) -> TrainBatch:
+    def advantage_stage(self, slots: list[Slot], rows: StepRows) -> TrainBatch:
         batch = collate_step_rows(slots, rows, pad_token_id=self.pad_token_id)
         advantages = grpo_advantages_grouped(
             batch["reward"].reshape(len(slots), self.group_size),
@@ -87,7 +88,7 @@ class GRPOStepRunner:
         return batch
 
     async def train_chunk(
-        self, slots: list[Any], rows: dict[str, dict[str, torch.Tensor]], *, step_num_sequences: int
+        self, slots: list[Slot], rows: StepRows, *, step_num_sequences: int
     ) -> None:
         batch = self.advantage_stage(slots, rows)
         if not self.reuse_training_logprobs:

@@ -12,9 +12,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from tandemrl.config.models import StallWatchdogConfig
+
+if TYPE_CHECKING:  # the controller runs the watchdog; imported for its type only
+    from tandemrl.controller.single_controller import SingleController
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +29,7 @@ class StallDetected(RuntimeError):
     """async_rl.stall_watchdog (action: abort) found no progress for timeout_s."""
 
 
-def stall_report(controller: Any, idle_s: float) -> str:
+def stall_report(controller: SingleController, idle_s: float) -> str:
     now = time.monotonic()
     oldest = min(controller.inflight_started_at.values(), default=None)
     oldest_text = f"oldest started {now - oldest:.1f} s ago" if oldest is not None else "none"
@@ -41,7 +44,7 @@ def stall_report(controller: Any, idle_s: float) -> str:
     )
 
 
-async def stall_watchdog(controller: Any, cfg: StallWatchdogConfig) -> None:
+async def stall_watchdog(controller: SingleController, cfg: StallWatchdogConfig) -> None:
     period = cfg.timeout_s / CHECKS_PER_TIMEOUT
     last_warned = 0.0
     while True:

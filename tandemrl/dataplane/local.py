@@ -29,15 +29,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
-from tandemrl.dataplane.atomic import atomic_directory, is_temporary_name, write_file_synced
+from tandemrl.dataplane.atomic import atomic_directory, write_file_synced
 from tandemrl.dataplane.base import BlockRow, DataPlane, DataPlaneError, Row, RowBlock, RowView
+from tandemrl.dataplane.manifest import (
+    MANIFEST_NAME,
+    read_snapshot_manifest,
+    read_verified_tensors,
+)
 
 SNAPSHOT_FORMAT = "tandemrl.local_data_plane"
 SNAPSHOT_VERSION = 1
-MANIFEST_NAME = "manifest.json"
 ROWS_FILE_NAME = "rows.safetensors"
 
 
@@ -210,27 +213,10 @@ def _write_snapshot(directory: Path, rows: dict[str, RowView]) -> dict[str, str]
 
 def read_snapshot(directory: Path) -> tuple[dict[str, Row], dict[str, str]]:
     """Read and fully verify a snapshot written by ``LocalDataPlane.save``; mutate nothing."""
-    if is_temporary_name(directory.name):
-        raise DataPlaneError(
-            f"local data plane load: {directory} is an unpublished (interrupted) snapshot "
-            "directory; only published snapshots can be loaded"
-        )
-    manifest_path = directory / MANIFEST_NAME
-    if not manifest_path.is_file():
-        raise DataPlaneError(
-            f"local data plane load: {manifest_path} is missing (not a published snapshot)"
-        )
+    manifest_path, manifest = read_snapshot_manifest(
+        directory, backend="local", snapshot_format=SNAPSHOT_FORMAT, version=SNAPSHOT_VERSION
+    )
     try:
-        manifest = json.loads(manifest_path.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise DataPlaneError(f"local data plane load: {manifest_path} is corrupt ({exc})") from exc
-    try:
-        if manifest["format"] != SNAPSHOT_FORMAT or manifest["version"] != SNAPSHOT_VERSION:
-            raise DataPlaneError(
-                f"local data plane load: {manifest_path} has format "
-                f"{manifest['format']!r} v{manifest['version']}, expected {SNAPSHOT_FORMAT!r} "
-                f"v{SNAPSHOT_VERSION}"
-            )
         file_info = manifest["files"][ROWS_FILE_NAME]
         expected_size = int(file_info["bytes"])
         expected_sha = str(file_info["sha256"])
@@ -244,24 +230,9 @@ def read_snapshot(directory: Path) -> tuple[dict[str, Row], dict[str, str]]:
         ) from exc
 
     rows_path = directory / ROWS_FILE_NAME
-    if not rows_path.is_file():
-        raise DataPlaneError(f"local data plane load: {rows_path} is missing")
-    payload = rows_path.read_bytes()
-    if len(payload) != expected_size:
-        raise DataPlaneError(
-            f"local data plane load: {rows_path} is truncated or padded: {len(payload)} bytes, "
-            f"manifest says {expected_size}"
-        )
-    if hashlib.sha256(payload).hexdigest() != expected_sha:
-        raise DataPlaneError(
-            f"local data plane load: {rows_path} is corrupt (sha256 does not match the manifest)"
-        )
-    try:
-        tensors = safetensors_load(payload)
-    except Exception as exc:  # safetensors raises its own error types
-        raise DataPlaneError(
-            f"local data plane load: {rows_path} cannot be parsed ({exc})"
-        ) from exc
+    tensors = read_verified_tensors(
+        rows_path, backend="local", expected_bytes=expected_size, expected_sha256=expected_sha
+    )
 
     rows: dict[str, Row] = {}
     digests: dict[str, str] = {}

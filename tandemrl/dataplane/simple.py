@@ -59,16 +59,20 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
 from tandemrl.config.models import DataPlaneConfig
 from tandemrl.dataplane import tq_rows
-from tandemrl.dataplane.atomic import atomic_directory, is_temporary_name, write_file_synced
+from tandemrl.dataplane.atomic import atomic_directory, write_file_synced
 from tandemrl.dataplane.base import DataPlane, DataPlaneError, Row
 from tandemrl.dataplane.local import SNAPSHOT_FORMAT as LOCAL_SNAPSHOT_FORMAT
 from tandemrl.dataplane.local import read_snapshot as read_local_snapshot
 from tandemrl.dataplane.local import row_digest
+from tandemrl.dataplane.manifest import (
+    MANIFEST_NAME,
+    read_snapshot_manifest,
+    read_verified_tensors,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +91,6 @@ SAVE_CHUNK_ROWS = 256
 
 SNAPSHOT_FORMAT = "tandemrl.simple_data_plane"
 SNAPSHOT_VERSION = 1
-MANIFEST_NAME = "manifest.json"
 
 
 _MISSING_TQ = (
@@ -590,25 +593,10 @@ def _show(keys: list[str], limit: int = 20) -> str:
 
 
 def _read_manifest(directory: Path) -> dict[str, Any]:
-    if is_temporary_name(directory.name):
-        raise DataPlaneError(
-            f"simple data plane load: {directory} is an unpublished (interrupted) snapshot directory"
-        )
-    manifest_path = directory / MANIFEST_NAME
-    if not manifest_path.is_file():
-        raise DataPlaneError(
-            f"simple data plane load: {manifest_path} is missing (not a published snapshot)"
-        )
+    manifest_path, manifest = read_snapshot_manifest(
+        directory, backend="simple", snapshot_format=SNAPSHOT_FORMAT, version=SNAPSHOT_VERSION
+    )
     try:
-        manifest = json.loads(manifest_path.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise DataPlaneError(f"simple data plane load: {manifest_path} is corrupt ({exc})") from exc
-    try:
-        if manifest["format"] != SNAPSHOT_FORMAT or manifest["version"] != SNAPSHOT_VERSION:
-            raise DataPlaneError(
-                f"simple data plane load: {manifest_path} has format {manifest['format']!r} "
-                f"v{manifest['version']}, expected {SNAPSHOT_FORMAT!r} v{SNAPSHOT_VERSION}"
-            )
         for entry in manifest["rows"].values():
             if entry["file"] not in manifest["files"]:
                 raise DataPlaneError(
@@ -636,24 +624,12 @@ def _read_verified_rows(directory: Path, manifest: dict[str, Any]) -> list[dict[
     result: list[dict[str, Row]] = []
     for file_name, info in sorted(manifest["files"].items()):
         path = directory / file_name
-        if not path.is_file():
-            raise DataPlaneError(f"simple data plane load: {path} is missing")
-        payload = path.read_bytes()
-        if len(payload) != int(info["bytes"]):
-            raise DataPlaneError(
-                f"simple data plane load: {path} is truncated or padded: {len(payload)} bytes, "
-                f"manifest says {info['bytes']}"
-            )
-        if hashlib.sha256(payload).hexdigest() != info["sha256"]:
-            raise DataPlaneError(
-                f"simple data plane load: {path} is corrupt (sha256 does not match the manifest)"
-            )
-        try:
-            tensors = safetensors_load(payload)
-        except Exception as exc:  # safetensors raises its own error types
-            raise DataPlaneError(
-                f"simple data plane load: {path} cannot be parsed ({exc})"
-            ) from exc
+        tensors = read_verified_tensors(
+            path,
+            backend="simple",
+            expected_bytes=int(info["bytes"]),
+            expected_sha256=str(info["sha256"]),
+        )
         rows: dict[str, Row] = {}
         for sample_id, entry in by_file.get(file_name, []):
             try:

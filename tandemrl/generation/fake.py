@@ -16,6 +16,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from tandemrl.codec import TextCodec
 from tandemrl.generation.base import GenerationBackend, GenerationError
 from tandemrl.records import GenerationRequest, GenerationResult
 
@@ -247,10 +248,8 @@ class FakeGenerationBackend(GenerationBackend):
         return self._frozen_total + extra
 
 
-def fake_codec(vocab_size: int = 16):
+def fake_codec(vocab_size: int = 16) -> TextCodec:
     """A text codec matching the fake engine: characters map to ids, ids decode to digits."""
-    from tandemrl.rollout.manager import TextCodec
-
     digits = "0123456789"
     # Byte b decodes to the digit b % 10, so a list of ids in 0..255 decodes in one translate.
     digit_of_byte = bytes(ord(digits[byte % 10]) for byte in range(256))

@@ -18,7 +18,7 @@ testable in-process.
 
 Weights arrive in one of three ways, chosen by ``policy.generation.weight_sync``:
 ``update_weights`` (a state dict through Ray's object store), or the flat-buffer transports of
-``WeightReceiverHost`` (``tandemrl.controller.weight_sync_cuda``): ``attach_weight_buffer`` /
+``WeightReceiverHost`` (``tandemrl.transport.receiver``): ``attach_weight_buffer`` /
 ``load_weight_buffer`` map the trainer's buffer over CUDA IPC, ``join_weight_group`` /
 ``receive_weight_broadcast`` / ``leave_weight_group`` take part in the trainer's broadcast
 (NCCL on GPUs, gloo on CPU). All three end in the engine's ``update_weights``.
@@ -33,10 +33,10 @@ from typing import Any
 
 import torch
 
-from tandemrl.controller.weight_sync_cuda import WeightReceiverHost
 from tandemrl.generation.torch_engine import TorchGenerationEngine
 from tandemrl.records import GenerationRequest, GenerationResult
-from tandemrl.weight_payload import FlatWeights
+from tandemrl.transport.object_store import FlatWeights
+from tandemrl.transport.receiver import WeightReceiverHost
 
 # Concurrent calls one actor accepts: every in-flight generate call holds one slot.
 DEFAULT_MAX_CONCURRENCY = 1000

@@ -33,7 +33,7 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -259,7 +259,7 @@ class MetricsLogger:
         if self.progress is not None:
             self.progress.update(metrics)
 
-    def log_samples(self, step: int, samples: list[Mapping[str, Any]]) -> None:
+    def log_samples(self, step: int, samples: Sequence[Mapping[str, Any]]) -> None:
         """A few completions of ``step`` with their rewards: ``samples.jsonl`` (one line each,
         with the step) and one TensorBoard text entry (``logger.tensorboard``)."""
         if self._closed:

@@ -19,6 +19,7 @@ import asyncio
 import enum
 from dataclasses import dataclass, field
 
+from tandemrl.buffer import Slot
 from tandemrl.config.models import RolloutFailureConfig
 from tandemrl.generation.base import GenerationError
 
@@ -41,7 +42,7 @@ class RolloutDropped(Exception):
         )
         self.group_id = group_id
         self.record = record
-        self.slot = None  # the removed buffer slot, set once the group is dropped
+        self.slot: Slot | None = None  # the removed buffer slot, set once the group is dropped
 
 
 class FailureBudgetExceeded(RuntimeError):

@@ -35,7 +35,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from tandemrl.generation.base import GenerationError
 from tandemrl.records import GenerationRequest, GenerationResult
@@ -66,6 +66,42 @@ def is_worker_death(exc: BaseException) -> bool:
     except ImportError:
         return False
     return isinstance(exc, RayActorError)
+
+
+T = TypeVar("T")
+
+
+async def within_awake_time(
+    call: Awaitable[T],
+    *,
+    timeout_s: float,
+    frozen_time: Callable[[], Awaitable[float]],
+    timed_out: Callable[[], Awaitable[BaseException]],
+    started: float | None = None,
+) -> T:
+    """``call``'s result, if it comes within ``timeout_s`` seconds of awake time.
+
+    Awake time is wall time since ``started`` (default: now) less the seconds the engines
+    stood down meanwhile (``frozen_time`` is their running total): the budget is re-read
+    whenever it runs out, and extended by the stand-down time in between. Past it, ``call``
+    is cancelled and the exception ``timed_out`` returns (after aborting what it must) is
+    raised.
+    """
+    future = asyncio.ensure_future(call)
+    if started is None:
+        started = time.monotonic()
+    frozen_at_start = await frozen_time()
+    remaining = timeout_s
+    while True:
+        done, _ = await asyncio.wait({future}, timeout=remaining)
+        if done:
+            return future.result()
+        frozen = await frozen_time() - frozen_at_start
+        awake_elapsed = time.monotonic() - started - frozen
+        if awake_elapsed >= timeout_s:
+            future.cancel()
+            raise await timed_out()
+        remaining = timeout_s - awake_elapsed
 
 
 class GenerationPool:
@@ -144,25 +180,21 @@ class GenerationPool:
     ) -> list[GenerationResult]:
         assert self.generation_timeout_s is not None
         timeout = self.generation_timeout_s
-        call = asyncio.ensure_future(self._call(worker, requests))
-        started = time.monotonic()
-        frozen_at_start = await worker.engine.frozen_time()
-        remaining = timeout
-        while True:
-            done, _ = await asyncio.wait({call}, timeout=remaining)
-            if done:
-                return call.result()
-            frozen = await worker.engine.frozen_time() - frozen_at_start
-            awake_elapsed = time.monotonic() - started - frozen
-            if awake_elapsed >= timeout:
-                call.cancel()
-                self.timeouts += 1
-                await worker.engine.abort([r.request_id for r in requests])
-                raise TimeoutError(
-                    f"generation of {[r.request_id for r in requests]} exceeded "
-                    f"async_rl.rollout_failure.generation_timeout_s={timeout} (awake time)"
-                )
-            remaining = timeout - awake_elapsed
+
+        async def timed_out() -> TimeoutError:
+            self.timeouts += 1
+            await worker.engine.abort([r.request_id for r in requests])
+            return TimeoutError(
+                f"generation of {[r.request_id for r in requests]} exceeded "
+                f"async_rl.rollout_failure.generation_timeout_s={timeout} (awake time)"
+            )
+
+        return await within_awake_time(
+            self._call(worker, requests),
+            timeout_s=timeout,
+            frozen_time=worker.engine.frozen_time,
+            timed_out=timed_out,
+        )
 
     def _call(
         self, worker: _Worker, requests: list[GenerationRequest]
@@ -219,9 +251,6 @@ class GenerationPool:
     def live_indices(self) -> tuple[int, ...]:
         """Indices (fixed at construction) of the workers still in rotation."""
         return tuple(w.index for w in self._workers if w.alive)
-
-    def engine_at(self, index: int) -> Any:
-        return self._workers[index].engine
 
     def check_alive(self) -> None:
         """Raise ``NoGenerationWorkers`` when every worker has died."""

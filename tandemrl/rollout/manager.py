@@ -18,6 +18,10 @@ rollout:
    checkpoint barrier, so a snapshot never sees rows without their index entry or the
    reverse.
 
+It reports ``staged`` (after each generation round that finished siblings) and ``committed``
+(between the rows and the ready slot) to the ``OwnershipEvents`` it was built with
+(``tandemrl.rollout.events``); the controller reports the rest.
+
 A group whose retries run out is dropped: its slot and any rows are removed, the ledger
 forgets it and the drop budgets are charged (``RolloutDropped`` is raised to the pump, which
 decides between shrink and replace).
@@ -31,16 +35,19 @@ import math
 import time
 import zlib
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import NoReturn
 
+from tandemrl.barrier import CheckpointBarrier
+from tandemrl.buffer import ReplayBuffer, Slot
+from tandemrl.codec import TextCodec
 from tandemrl.config.models import RolloutFailureConfig
-from tandemrl.controller.barrier import CheckpointBarrier
 from tandemrl.dataplane.base import DataPlane, RowBlock
+from tandemrl.dataplane.rows import make_group_block
 from tandemrl.envs.base import Environment
 from tandemrl.records import EnvResult, GenerationRequest, GenerationResult, PromptItem, RowMeta
+from tandemrl.rollout.events import OwnershipEvents
 from tandemrl.rollout.failures import (
     DataFailure,
     FailureBudgets,
@@ -50,31 +57,14 @@ from tandemrl.rollout.failures import (
     backoff_delay,
     classify,
 )
-from tandemrl.rollout.generation_pool import GenerationPool, NoGenerationWorkers
+from tandemrl.rollout.generation_pool import (
+    GenerationPool,
+    NoGenerationWorkers,
+    within_awake_time,
+)
 from tandemrl.rollout.ledger import OwnershipLedger, StagedSibling, UnfinishedGroup
-from tandemrl.training.batch import make_group_block
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class TextCodec:
-    """How the rollout turns prompts into token ids and completions back into text."""
-
-    encode: Callable[[str], list[int]]
-    decode: Callable[[list[int]], str]
-    eos_token_id: int | None
-    pad_token_id: int
-    # The text the model is given for a prompt (data.prompt_format, e.g. the chat template
-    # rendering); None: the prompt text itself.
-    render_prompt: Callable[[PromptItem], str] | None = None
-    # Every id that ends a completion besides eos_token_id: the model folder's EOS ids and the
-    # configured stops (tandemrl.models.special_tokens). Each request stops on all of them.
-    stop_token_ids: tuple[int, ...] = ()
-
-    def encode_prompt(self, item: PromptItem) -> list[int]:
-        """The prompt token ids of ``item``'s generations."""
-        return self.encode(item.prompt if self.render_prompt is None else self.render_prompt(item))
 
 
 @dataclass(frozen=True)
@@ -140,7 +130,7 @@ class RolloutManager:
     def __init__(
         self,
         *,
-        buffer,  # tandemrl.buffer.ReplayBuffer
+        buffer: ReplayBuffer,
         data_plane: DataPlane,
         generation: GenerationPool,
         env: Environment,
@@ -153,7 +143,7 @@ class RolloutManager:
         barrier: CheckpointBarrier,
         overlong_filtering: bool = False,
         seed: int = 0,
-        on_change: Callable[[], None] = lambda: None,
+        events: OwnershipEvents | None = None,
     ) -> None:
         self.buffer = buffer
         self.data_plane = data_plane
@@ -171,21 +161,14 @@ class RolloutManager:
         self.barrier = barrier
         self.overlong_filtering = overlong_filtering
         self.seed = seed
-        self.on_change = on_change
+        # The journal and/or the commit log; None when neither is on.
+        self.events = events
         # The latest completions with their rewards, for the metrics' sample log.
         self.recent_samples: deque[dict[str, object]] = deque(maxlen=RECENT_SAMPLES)
         self.generated_siblings = 0  # completions produced by the engines (metrics, chaos proofs)
         self.reused_siblings = 0  # staged completions reused after a failure or restart
-        # Prompts of committed, unconsumed groups (shadow-mode checkpoints regenerate them).
-        self.committed_items: dict[str, PromptItem] = {}
-        # Called after each commit with the group and the siblings generated fresh for it.
-        self.on_commit: Callable[[UnfinishedGroup, list[int]], None] | None = None
         # Requests of each group's generation call in flight (to abort them on the engine).
         self.active_requests: dict[str, list[GenerationRequest]] = {}
-        # Called after each generation round with the siblings it finished (journal, log).
-        self.on_staged: Callable[[UnfinishedGroup, list[int]], None] | None = None
-        # tandemrl.checkpoint.commit_replay.CommitRecorder; None when the commit log is off.
-        self.commit_recorder = None
 
     # ------------------------------------------------------------------ dispatch
 
@@ -194,7 +177,7 @@ class RolloutManager:
     ) -> UnfinishedGroup:
         """Append the group's buffer slot and open it in the ledger (synchronous, no await)."""
         group_id = item.prompt_id
-        self.buffer.reserve(group_id, start_weight=start_weight, target_step=target_step)
+        self.buffer.reserve(group_id, start_weight, target_step, item)
         return self.ledger.open(
             item, group_id=group_id, target_step=target_step, start_weight=start_weight
         )
@@ -209,7 +192,10 @@ class RolloutManager:
         if not group.staged:
             group.start_weight = current_weight
         self.buffer.reserve(
-            group.group_id, start_weight=group.start_weight, target_step=group.target_step
+            group.group_id,
+            start_weight=group.start_weight,
+            target_step=group.target_step,
+            item=group.item,
         )
         return group
 
@@ -218,7 +204,7 @@ class RolloutManager:
         reused = set(group.staged)
         try:
             await self._generate_all_siblings(group)
-            await self._push_and_commit(group)
+            await self._push_and_commit(group, reused)
         except RolloutDropped as dropped:
             dropped.slot = await self._drop(group)
             self.budgets.record_drop(dropped.record)
@@ -227,9 +213,6 @@ class RolloutManager:
             await self._drop(group)
             raise
         self.budgets.record_commit()
-        if self.on_commit is not None:
-            self.on_commit(group, [i for i in range(self.group_size) if i not in reused])
-        self.on_change()
 
     # ------------------------------------------------------------------ generation
 
@@ -351,8 +334,8 @@ class RolloutManager:
                     continue
                 group.staged[sibling] = StagedSibling(result, outcome)
                 finished.append(sibling)
-            if finished and self.on_staged is not None:
-                self.on_staged(group, finished)
+            if finished and self.events is not None:
+                self.events.staged(group, finished)
             if failed_any and group.granularity == "prompt_group":
                 group.discard_staged()
 
@@ -362,23 +345,21 @@ class RolloutManager:
         """One generation call, bounded by rollout_timeout_s of awake time."""
         timeout = self.failure_cfg.rollout_timeout_s
         assert timeout is not None  # without one, _generate_all_siblings calls the pool itself
-        call = asyncio.ensure_future(self.generation.generate(requests))
-        frozen_at_start = await self.generation.frozen_time()
-        remaining = timeout
-        while True:
-            done, _ = await asyncio.wait({call}, timeout=remaining)
-            if done:
-                return call.result()
-            frozen = await self.generation.frozen_time() - frozen_at_start
-            awake_elapsed = time.monotonic() - attempt_started - frozen
-            if awake_elapsed >= timeout:
-                call.cancel()
-                await self.generation.abort([r.request_id for r in requests])
-                raise TimeoutError(
-                    f"rollout of prompt group {group.group_id} exceeded "
-                    f"async_rl.rollout_failure.rollout_timeout_s={timeout} (awake time)"
-                )
-            remaining = timeout - awake_elapsed
+
+        async def timed_out() -> TimeoutError:
+            await self.generation.abort([r.request_id for r in requests])
+            return TimeoutError(
+                f"rollout of prompt group {group.group_id} exceeded "
+                f"async_rl.rollout_failure.rollout_timeout_s={timeout} (awake time)"
+            )
+
+        return await within_awake_time(
+            self.generation.generate(requests),
+            timeout_s=timeout,
+            frozen_time=self.generation.frozen_time,
+            timed_out=timed_out,
+            started=attempt_started,
+        )
 
     async def _score_all(
         self, group: UnfinishedGroup, results: list[GenerationResult]
@@ -501,19 +482,22 @@ class RolloutManager:
         )
         return block, metas
 
-    async def _push_and_commit(self, group: UnfinishedGroup) -> None:
+    async def _push_and_commit(self, group: UnfinishedGroup, reused: set[int]) -> None:
+        """``reused``: siblings staged before this attempt (not generated fresh by it)."""
         block, metas = self._rows(group)
         end_weight = max([meta.end_weight_version for meta in metas])
         async with self.barrier.mutation():
             # Rows first, then the slot flips ready: a ready slot always has its rows.
             await self.data_plane.put_block(block)
-            if self.commit_recorder is not None:
-                # Durable before the slot turns ready: a trainable group survives any crash.
+            if self.events is not None:
+                # The commit log returns once durable: a trainable group survives any crash.
+                fresh = [i for i in range(self.group_size) if i not in reused]
                 slot = self.buffer.slot(group.group_id)
-                await self.commit_recorder.committed(group, slot, end_weight)
+                await self.events.committed(
+                    group, slot, end_weight=end_weight, fresh_siblings=fresh
+                )
             self.buffer.commit(group.group_id, metas, end_weight=end_weight)
             self.ledger.close(group.group_id)
-            self.committed_items[group.group_id] = group.item
 
     def take_recent_samples(self) -> list[dict[str, object]]:
         """The latest completions (prompt, completion, reward), oldest first; then forgets them."""
@@ -535,11 +519,10 @@ class RolloutManager:
             await self.generation.abort([request.request_id for request in requests])
         await self._drop(group)
 
-    async def _drop(self, group: UnfinishedGroup):
+    async def _drop(self, group: UnfinishedGroup) -> Slot:
         async with self.barrier.mutation():
             slot = self.buffer.remove(group.group_id)
             await self.data_plane.clear(slot.sample_ids)
             self.ledger.close(group.group_id)
             self.active_requests.pop(group.group_id, None)
-        self.on_change()
         return slot

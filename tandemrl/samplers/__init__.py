@@ -43,6 +43,7 @@ from tandemrl.samplers.windowed import WindowedSampler
 
 __all__ = [
     "BUILTIN_SAMPLERS",
+    "BuiltinSampler",
     "GatedSampler",
     "InOrderSampler",
     "PromptGroupSampler",
@@ -53,44 +54,78 @@ __all__ = [
     "StructuralSamplerAdapter",
     "WeightFifoSampler",
     "WindowedSampler",
+    "builtin_sampler",
     "create_sampler",
     "load_sampler_class",
+    "required_buffer_capacity",
 ]
 
-BUILTIN_SAMPLERS: dict[str, type[PromptGroupSampler]] = {
-    "in_order": InOrderSampler,
-    "weight_fifo": WeightFifoSampler,
-    "ready_first": ReadyFirstSampler,
-    "windowed": WindowedSampler,
+BuiltinSampler = InOrderSampler | WeightFifoSampler | ReadyFirstSampler | WindowedSampler
+BuiltinSamplerConfig = (
+    InOrderSamplerConfig | WeightFifoSamplerConfig | ReadyFirstSamplerConfig | WindowedSamplerConfig
+)
+
+BUILTIN_SAMPLERS: dict[str, type[BuiltinSampler]] = {
+    cls.name: cls for cls in (InOrderSampler, WeightFifoSampler, ReadyFirstSampler, WindowedSampler)
 }
 
 
 def create_sampler(
-    cfg: InOrderSamplerConfig
-    | WeightFifoSamplerConfig
-    | ReadyFirstSamplerConfig
-    | WindowedSamplerConfig
-    | CustomSamplerConfig,
+    cfg: BuiltinSamplerConfig | CustomSamplerConfig,
     buffer: ReplayBuffer,
     *,
     groups_per_step: int,
+    policy_training_start_step: int = 0,
 ) -> PromptGroupSampler:
     """The sampler ``async_rl.sampler`` describes, over ``buffer``.
 
-    ``groups_per_step`` is ``num_prompts_per_step`` (one prompt group per prompt).
+    ``groups_per_step`` is ``num_prompts_per_step`` (one prompt group per prompt);
+    ``policy_training_start_step`` is ``ppo.policy_training_start_step`` (the critic warm-up
+    in_order's lookahead follows; 0 on GRPO).
     """
-    if isinstance(cfg, InOrderSamplerConfig):
-        return InOrderSampler.from_config(cfg, buffer, groups_per_step=groups_per_step)
-    if isinstance(cfg, WeightFifoSamplerConfig):
-        return WeightFifoSampler.from_config(cfg, buffer, groups_per_step=groups_per_step)
-    if isinstance(cfg, ReadyFirstSamplerConfig):
-        return ReadyFirstSampler.from_config(cfg, buffer, groups_per_step=groups_per_step)
-    if isinstance(cfg, WindowedSamplerConfig):
-        return WindowedSampler.from_config(cfg, buffer, groups_per_step=groups_per_step)
     if isinstance(cfg, CustomSamplerConfig):
         return create_custom_sampler(
             cfg.target, buffer, groups_per_step=groups_per_step, kwargs=cfg.constructor_kwargs()
         )
-    raise SamplerConfigError(
-        f"async_rl.sampler.name: unknown sampler mode {getattr(cfg, 'name', cfg)!r}"
+    return builtin_sampler(
+        cfg,
+        buffer,
+        groups_per_step=groups_per_step,
+        policy_training_start_step=policy_training_start_step,
     )
+
+
+def builtin_sampler(
+    cfg: BuiltinSamplerConfig,
+    buffer: ReplayBuffer | None = None,
+    *,
+    groups_per_step: int,
+    policy_training_start_step: int = 0,
+) -> BuiltinSampler:
+    """The built-in sampler ``cfg`` describes. Without ``buffer`` it sits on an empty one: what
+    validation builds to ask the sampler for its rules before any run exists."""
+    if buffer is None:
+        buffer = ReplayBuffer(group_size=1, capacity=1)
+    sampler_class = BUILTIN_SAMPLERS.get(cfg.name)
+    if sampler_class is None:
+        raise SamplerConfigError(f"async_rl.sampler.name: unknown sampler mode {cfg.name!r}")
+    # A built-in sampler's constructor keywords are its config block's keys (but ``name``).
+    knobs = cfg.model_dump(exclude={"name"})
+    if sampler_class is InOrderSampler:
+        knobs["policy_training_start_step"] = policy_training_start_step
+    return sampler_class(buffer, groups_per_step=groups_per_step, **knobs)
+
+
+def required_buffer_capacity(
+    sampler_cfg: BuiltinSamplerConfig | CustomSamplerConfig, num_prompts_per_step: int
+) -> int:
+    """Smallest ``async_rl.max_buffered_rollouts`` the built-in sampler ``sampler_cfg`` describes
+    runs with (its ``required_buffer_capacity``). A custom sampler's is declared by its class
+    and asked at setup, once the class is built; passing its config raises ValueError."""
+    if isinstance(sampler_cfg, CustomSamplerConfig):
+        raise ValueError(
+            f"sampler mode {sampler_cfg.name!r}: required buffer capacity is declared by the "
+            "sampler class (PromptGroupSampler.required_buffer_capacity), not by the config"
+        )
+    sampler = builtin_sampler(sampler_cfg, groups_per_step=num_prompts_per_step)
+    return sampler.required_buffer_capacity(num_prompts_per_step)

@@ -12,14 +12,26 @@ A sampler is the staleness policy of a run, applied on both sides of the replay 
 Samplers are pure state machines: they own no tasks, clients or I/O; the pumps drive them.
 ``notify`` and ``close`` must be called from the event loop's thread.
 
+Each sampler owns its rules and is asked for them (by validation, setup and the pumps), so
+each rule is stated once, in the sampler's words:
+
+- ``lookahead_at(trainer_version)``: how many batches dispatch may lead the trainer by at that
+  version (None: not gated);
+- ``required_buffer_capacity(groups_per_step)``: the smallest ``max_buffered_rollouts`` it runs
+  with (a smaller buffer deadlocks the rollout pump, so setup refuses it);
+- the built-ins also say whether they admit off-policy data (``off_policy_reason``), which
+  decides whether importance-sampling correction is required.
+
 The gate of the gated samplers (in_order, weight_fifo, ready_first), in the spec's words,
 "dispatch may lead the trainer by up to L batches": the i-th admitted group (i = 0, 1, 2 …)
 belongs to batch ``i // N`` and is admitted while ``i // N <= trainer_version + L``, i.e.
 
     admitted_so_far < (trainer_version + L + 1) * N        N = groups per step
 
-with L = ``max_lookahead_versions`` (in_order) or ``max_staleness_versions`` (weight_fifo,
-ready_first). ``admitted_so_far`` never goes down: a group that fails or is dropped keeps its
+with L = ``lookahead_at(trainer_version)``: ``max_lookahead_versions`` (in_order; during PPO
+critic warm-up ``warmup_lookahead_versions``) or ``max_staleness_versions`` (weight_fifo,
+ready_first). The buffer must hold every group the widest gate admits: ``N x (widest L + 1)``.
+``admitted_so_far`` never goes down: a group that fails or is dropped keeps its
 gate slot, exactly as a dropped in_order group keeps its dispatch index. Two consequences:
 
 - ``on_dropped_prompt: shrink`` — the step the drop belonged to trains short; the gate does
@@ -43,8 +55,6 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from tandemrl.buffer import ReplayBuffer, Slot
-from tandemrl.config.capacity import required_buffer_capacity
-from tandemrl.config.models import ReadyFirstSamplerConfig, WeightFifoSamplerConfig
 
 
 class SamplerClosed(RuntimeError):
@@ -169,13 +179,13 @@ class PromptGroupSampler(ABC):
 
     @abstractmethod
     def required_buffer_capacity(self, groups_per_step: int) -> int:
-        """Smallest ``max_buffered_rollouts`` this sampler runs with (setup validates it)."""
+        """Smallest ``max_buffered_rollouts`` this sampler runs with (setup refuses less)."""
+
+    def lookahead_at(self, trainer_version: int) -> int | None:
+        """Batches dispatch may lead the trainer by at ``trainer_version``; None: ungated."""
+        return None
 
     # ------------------------------------------------------------------ dispatch state
-
-    def set_lookahead(self, versions: int) -> None:
-        """Retune how many versions dispatch may lead the trainer (gated samplers only)."""
-        raise SamplerError(f"{self.name} sampler has no dispatch lookahead to set")
 
     def dispatch_state(self) -> dict[str, Any]:
         """JSON-able dispatch position, saved with checkpoints."""
@@ -260,88 +270,72 @@ class PromptGroupSampler(ABC):
 
 
 class GatedSampler(PromptGroupSampler):
-    """The lookahead gate shared by in_order, weight_fifo and ready_first (module docstring)."""
+    """The lookahead gate shared by in_order, weight_fifo and ready_first (module docstring).
+
+    A subclass states its lookahead at each trainer version (``lookahead_at``) and the widest
+    one it ever uses (``widest_lookahead_versions``); the gate and the capacity follow.
+    """
 
     supports_buffer_checkpoint = True
     supports_training_claims = True
 
-    def __init__(
-        self, buffer: ReplayBuffer, *, groups_per_step: int, lookahead_versions: int, widest: int
-    ) -> None:
-        super().__init__(buffer, groups_per_step=groups_per_step)
-        if not 0 <= lookahead_versions <= widest:
-            raise SamplerError(f"lookahead {lookahead_versions} is outside [0, {widest}]")
-        self.lookahead_versions = lookahead_versions
-        # The buffer is sized for this many versions of lookahead; never exceed it.
-        self.widest_lookahead_versions = widest
+    @property
+    @abstractmethod
+    def widest_lookahead_versions(self) -> int:
+        """The largest ``lookahead_at`` of the run: what the buffer is sized for."""
+
+    @abstractmethod
+    def lookahead_at(self, trainer_version: int) -> int: ...
 
     def gate_limit(self, trainer_version: int) -> int:
         """How many prompts may have been admitted in total under ``trainer_version``."""
-        return (trainer_version + self.lookahead_versions + 1) * self.groups_per_step
+        lookahead = self.lookahead_at(trainer_version)
+        return (trainer_version + lookahead + 1) * self.groups_per_step
 
     def gate_open(self, trainer_version: int) -> bool:
         return self.num_admitted < self.gate_limit(trainer_version)
 
-    def set_lookahead(self, versions: int) -> None:
-        """Retune the gate (PPO: warm-up lookahead, then the steady one). Wakes waiters."""
-        if not 0 <= versions <= self.widest_lookahead_versions:
-            raise SamplerError(
-                f"{self.name} sampler: lookahead {versions} is outside [0, "
-                f"{self.widest_lookahead_versions}] (the buffer is sized for the widest lookahead)"
-            )
-        self.lookahead_versions = versions
-        self.notify()
+    def required_buffer_capacity(self, groups_per_step: int) -> int:
+        """``N x (L + 1)`` for the widest ``L``: the batch being trained plus ``L`` ahead."""
+        return groups_per_step * (self.widest_lookahead_versions + 1)
 
-    def dispatch_state(self) -> dict[str, Any]:
-        return {**super().dispatch_state(), "lookahead_versions": self.lookahead_versions}
+    def off_policy_reason(self) -> str | None:
+        """The setting that lets the sampler hand the trainer off-policy groups; None if none."""
+        if self.widest_lookahead_versions > 0:
+            return "async_rl.sampler.max_staleness_versions"
+        return None
 
     def _check_dispatch_state(self, state: dict[str, Any]) -> None:
-        lookahead = state.get("lookahead_versions")
+        # Checkpoints written before the lookahead followed the trainer version hold the gate's
+        # lookahead; it is checked (a state from a run with a wider gate is refused) and then
+        # ignored: the lookahead at each version is this sampler's rule.
+        if "lookahead_versions" not in state:
+            return
+        lookahead = state["lookahead_versions"]
         if not isinstance(lookahead, int) or not 0 <= lookahead <= self.widest_lookahead_versions:
             raise SamplerError(
                 f"dispatch state: lookahead_versions {lookahead!r} is outside [0, "
                 f"{self.widest_lookahead_versions}]"
             )
 
-    def _apply_dispatch_state(self, state: dict[str, Any]) -> None:
-        self.lookahead_versions = state["lookahead_versions"]
-
 
 class StalenessGatedSampler(GatedSampler):
     """The gate with ``L = max_staleness_versions``: the base of weight_fifo and ready_first.
 
-    Subclasses name their config class and implement ``select``.
+    Subclasses implement ``select``.
     """
-
-    config_class: ClassVar[type[WeightFifoSamplerConfig] | type[ReadyFirstSamplerConfig]]
 
     def __init__(
         self, buffer: ReplayBuffer, *, groups_per_step: int, max_staleness_versions: int = 1
     ) -> None:
-        self.config = self.config_class(
-            name=self.name, max_staleness_versions=max_staleness_versions
-        )
-        super().__init__(
-            buffer,
-            groups_per_step=groups_per_step,
-            lookahead_versions=max_staleness_versions,
-            widest=max_staleness_versions,
-        )
+        super().__init__(buffer, groups_per_step=groups_per_step)
+        if max_staleness_versions < 0:
+            raise SamplerError(f"max_staleness_versions must be >= 0, got {max_staleness_versions}")
         self.max_staleness_versions = max_staleness_versions
 
-    @classmethod
-    def from_config(
-        cls,
-        cfg: WeightFifoSamplerConfig | ReadyFirstSamplerConfig,
-        buffer: ReplayBuffer,
-        *,
-        groups_per_step: int,
-    ) -> StalenessGatedSampler:
-        return cls(
-            buffer,
-            groups_per_step=groups_per_step,
-            max_staleness_versions=cfg.max_staleness_versions,
-        )
+    @property
+    def widest_lookahead_versions(self) -> int:
+        return self.max_staleness_versions
 
-    def required_buffer_capacity(self, groups_per_step: int) -> int:
-        return required_buffer_capacity(self.config, groups_per_step)
+    def lookahead_at(self, trainer_version: int) -> int:
+        return self.max_staleness_versions

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
-from typing import Any
+from typing import Any, cast
 
 from tandemrl.buffer import ReplayBuffer, Slot
 from tandemrl.samplers.base import (
@@ -105,7 +105,7 @@ class StructuralSamplerAdapter(PromptGroupSampler):
     """Gives a structurally typed custom sampler the base class's hooks.
 
     The five required calls go to the wrapped object. Optional hooks (notify, close,
-    on_group_removed, set_lookahead, dispatch_state, load_dispatch_state) go to it when it has
+    on_group_removed, lookahead_at, dispatch_state, load_dispatch_state) go to it when it has
     them, and fall back to the base behaviour otherwise. Capability flags are the wrapped
     class's (False when it does not declare them).
     """
@@ -134,7 +134,7 @@ class StructuralSamplerAdapter(PromptGroupSampler):
                     await asyncio.wait({inner_admit, wakeup}, return_when=asyncio.FIRST_COMPLETED)
                 finally:
                     wakeup.cancel()
-            return inner_admit.result()
+            return cast(int | None, inner_admit.result())
         finally:
             if not inner_admit.done():
                 inner_admit.cancel()
@@ -142,14 +142,15 @@ class StructuralSamplerAdapter(PromptGroupSampler):
     async def select(
         self, *, current_train_weight: int, min_prompt_groups: int, max_prompt_groups: int
     ) -> Selection:
-        return await self.inner.select(
+        selection = await self.inner.select(
             current_train_weight=current_train_weight,
             min_prompt_groups=min_prompt_groups,
             max_prompt_groups=max_prompt_groups,
         )
+        return cast(Selection, selection)
 
     async def evict(self, *, current_train_weight: int) -> list[Slot]:
-        return await self.inner.evict(current_train_weight=current_train_weight)
+        return cast(list[Slot], await self.inner.evict(current_train_weight=current_train_weight))
 
     def should_abort_inflight(self, *, start_weight: int, current_train_weight: int) -> bool:
         return bool(
@@ -176,10 +177,11 @@ class StructuralSamplerAdapter(PromptGroupSampler):
             self.inner.on_group_removed(slot)
         super().on_group_removed(slot)
 
-    def set_lookahead(self, versions: int) -> None:
-        if not callable(getattr(self.inner, "set_lookahead", None)):
-            super().set_lookahead(versions)
-        self.inner.set_lookahead(versions)
+    def lookahead_at(self, trainer_version: int) -> int | None:
+        if not callable(getattr(self.inner, "lookahead_at", None)):
+            return super().lookahead_at(trainer_version)
+        lookahead = self.inner.lookahead_at(trainer_version)
+        return None if lookahead is None else int(lookahead)
 
     def dispatch_state(self) -> dict[str, Any]:
         state = super().dispatch_state()

@@ -7,16 +7,16 @@ step (trainer version) whose batch it belongs to. It is admitted while
 ``target_step == current_train_weight``, in dispatch order.
 
 ``max_lookahead_versions: 0`` is sync mode: step s's prompts are dispatched only once the
-trainer reached version s. During PPO critic warm-up the lookahead is
-``warmup_lookahead_versions`` (the sampler starts with it when set); the controller shrinks it
-back with ``set_lookahead(max_lookahead_versions)`` once the warm-up is over.
+trainer reached version s. During PPO critic warm-up — trainer versions below
+``ppo.policy_training_start_step`` — the lookahead is ``warmup_lookahead_versions`` when it
+is set; from that version on it is ``max_lookahead_versions`` again. The rule is a function
+of the trainer version alone (``lookahead_at``), so a resumed run applies it unchanged; the
+buffer is sized for the wider of the two.
 """
 
 from __future__ import annotations
 
 from tandemrl.buffer import ReplayBuffer
-from tandemrl.config.capacity import required_buffer_capacity
-from tandemrl.config.models import InOrderSamplerConfig
 from tandemrl.samplers.base import GatedSampler, SamplerError, Selection
 
 
@@ -30,34 +30,34 @@ class InOrderSampler(GatedSampler):
         groups_per_step: int,
         max_lookahead_versions: int = 0,
         warmup_lookahead_versions: int | None = None,
+        policy_training_start_step: int = 0,
     ) -> None:
-        self.config = InOrderSamplerConfig(
-            name="in_order",
-            max_lookahead_versions=max_lookahead_versions,
-            warmup_lookahead_versions=warmup_lookahead_versions,
-        )
-        start = (
-            max_lookahead_versions
-            if warmup_lookahead_versions is None
-            else warmup_lookahead_versions
-        )
-        super().__init__(
-            buffer,
-            groups_per_step=groups_per_step,
-            lookahead_versions=start,
-            widest=max(max_lookahead_versions, warmup_lookahead_versions or 0),
-        )
+        super().__init__(buffer, groups_per_step=groups_per_step)
+        if max_lookahead_versions < 0 or (warmup_lookahead_versions or 0) < 0:
+            raise SamplerError(
+                f"lookahead versions must be >= 0, got {max_lookahead_versions} and "
+                f"{warmup_lookahead_versions}"
+            )
+        self.max_lookahead_versions = max_lookahead_versions
+        self.warmup_lookahead_versions = warmup_lookahead_versions
+        # Trainer versions below this are PPO critic warm-up (0: no warm-up).
+        self.policy_training_start_step = policy_training_start_step
 
-    @classmethod
-    def from_config(
-        cls, cfg: InOrderSamplerConfig, buffer: ReplayBuffer, *, groups_per_step: int
-    ) -> InOrderSampler:
-        return cls(
-            buffer,
-            groups_per_step=groups_per_step,
-            max_lookahead_versions=cfg.max_lookahead_versions,
-            warmup_lookahead_versions=cfg.warmup_lookahead_versions,
-        )
+    @property
+    def widest_lookahead_versions(self) -> int:
+        return max(self.max_lookahead_versions, self.warmup_lookahead_versions or 0)
+
+    def lookahead_at(self, trainer_version: int) -> int:
+        """``warmup_lookahead_versions`` during critic warm-up when set, else the steady one."""
+        warmup = self.warmup_lookahead_versions
+        if warmup is not None and trainer_version < self.policy_training_start_step:
+            return warmup
+        return self.max_lookahead_versions
+
+    def off_policy_reason(self) -> str | None:
+        if self.widest_lookahead_versions > 0:
+            return "async_rl.sampler.max_lookahead_versions"
+        return None
 
     def _record_admission(self) -> int:
         dispatch_index = self.num_admitted
@@ -96,6 +96,3 @@ class InOrderSampler(GatedSampler):
             slot for slot in self.buffer.ready_groups() if slot.target_step == current_train_weight
         ]
         return self._claim(eligible, min_prompt_groups, max_prompt_groups)
-
-    def required_buffer_capacity(self, groups_per_step: int) -> int:
-        return required_buffer_capacity(self.config, groups_per_step)

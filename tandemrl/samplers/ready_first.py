@@ -8,13 +8,14 @@ in flight: nothing is evicted, every finished group is trained.
 
 from __future__ import annotations
 
-from tandemrl.config.models import ReadyFirstSamplerConfig
 from tandemrl.samplers.base import Selection, StalenessGatedSampler
 
 
 class ReadyFirstSampler(StalenessGatedSampler):
     name = "ready_first"
-    config_class = ReadyFirstSamplerConfig
+
+    def off_policy_reason(self) -> str | None:
+        return "async_rl.sampler.name (ready_first trains late stragglers)"
 
     async def select(
         self, *, current_train_weight: int, min_prompt_groups: int, max_prompt_groups: int

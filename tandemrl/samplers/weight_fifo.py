@@ -11,13 +11,11 @@ otherwise move on to the next weight. The first ``max_prompt_groups`` taken are 
 from __future__ import annotations
 
 from tandemrl.buffer import Slot
-from tandemrl.config.models import WeightFifoSamplerConfig
 from tandemrl.samplers.base import Selection, StalenessGatedSampler
 
 
 class WeightFifoSampler(StalenessGatedSampler):
     name = "weight_fifo"
-    config_class = WeightFifoSamplerConfig
 
     def eligible_groups(self, current_train_weight: int) -> list[Slot]:
         """Ready groups in FIFO-by-weight order, up to the oldest weight still in flight."""

@@ -10,8 +10,6 @@ an in-flight group older than the window should be aborted, since it can never b
 from __future__ import annotations
 
 from tandemrl.buffer import ReplayBuffer, Slot
-from tandemrl.config.capacity import required_buffer_capacity
-from tandemrl.config.models import WindowedSamplerConfig
 from tandemrl.samplers.base import PromptGroupSampler, Selection
 
 
@@ -29,24 +27,8 @@ class WindowedSampler(PromptGroupSampler):
         sample_freshest_first: bool = False,
     ) -> None:
         super().__init__(buffer, groups_per_step=groups_per_step)
-        self.config = WindowedSamplerConfig(
-            name="windowed",
-            max_staleness_versions=max_staleness_versions,
-            sample_freshest_first=sample_freshest_first,
-        )
         self.max_staleness_versions = max_staleness_versions
         self.sample_freshest_first = sample_freshest_first
-
-    @classmethod
-    def from_config(
-        cls, cfg: WindowedSamplerConfig, buffer: ReplayBuffer, *, groups_per_step: int
-    ) -> WindowedSampler:
-        return cls(
-            buffer,
-            groups_per_step=groups_per_step,
-            max_staleness_versions=cfg.max_staleness_versions,
-            sample_freshest_first=cfg.sample_freshest_first,
-        )
 
     def oldest_trainable_weight(self, current_train_weight: int) -> int:
         return current_train_weight - self.max_staleness_versions
@@ -73,4 +55,10 @@ class WindowedSampler(PromptGroupSampler):
         return start_weight < self.oldest_trainable_weight(current_train_weight)
 
     def required_buffer_capacity(self, groups_per_step: int) -> int:
-        return required_buffer_capacity(self.config, groups_per_step)
+        """One full step: dispatch is not gated, anything above is over-sampling headroom."""
+        return groups_per_step
+
+    def off_policy_reason(self) -> str | None:
+        if self.max_staleness_versions > 0:
+            return "async_rl.sampler.max_staleness_versions"
+        return None

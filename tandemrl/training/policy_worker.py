@@ -68,7 +68,6 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from tandemrl.config.models import LossConfig, PolicyConfig
-from tandemrl.controller.weight_sync_cuda import WeightSenderHost
 from tandemrl.dataplane.atomic import atomic_directory
 from tandemrl.models import load_causal_lm, resolve_device, resolve_model_path
 from tandemrl.training.api import TrainBatch
@@ -101,7 +100,8 @@ from tandemrl.training.worker_common import (
     scale_gradients,
     write_worker_state,
 )
-from tandemrl.weight_payload import FlatWeights
+from tandemrl.transport.object_store import FlatWeights
+from tandemrl.transport.sender import WeightSenderHost
 
 # Files of a model folder that belong to the tokenizer (copied into every checkpoint so that a
 # checkpoint folder is itself loadable with from_pretrained).

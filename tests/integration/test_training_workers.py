@@ -10,7 +10,8 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from tandemrl.config.models import LossConfig, PolicyConfig, ValueConfig, ValueLossConfig
-from tandemrl.training.batch import collate_rows, count_loss_tokens, make_training_row
+from tandemrl.dataplane.rows import make_training_row
+from tandemrl.training.batch import collate_rows, count_loss_tokens
 from tandemrl.training.policy_worker import create_policy_worker_actor
 from tandemrl.training.value_worker import create_value_worker_actor
 

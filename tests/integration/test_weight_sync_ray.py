@@ -18,7 +18,7 @@ from tandemrl.config.loader import load_config
 from tandemrl.controller.actor import make_weight_sync
 from tandemrl.controller.ray_proxy import ActorProxy
 from tandemrl.controller.setup import launch
-from tandemrl.controller.weight_sync_cuda import NcclWeightSync
+from tandemrl.controller.weight_sync import NcclWeightSync
 from tandemrl.generation.worker import make_generation_worker_class
 from tandemrl.models import resolve_model_path
 from tandemrl.records import GenerationRequest

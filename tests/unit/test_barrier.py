@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from tandemrl.controller.barrier import CheckpointBarrier
+from tandemrl.barrier import CheckpointBarrier
 
 
 def test_a_capture_waits_for_running_mutations_and_holds_new_ones_back():

@@ -8,12 +8,11 @@ import pytest
 import torch
 
 from tandemrl.dataplane.base import DataPlaneError, RowBlock
+from tandemrl.dataplane.rows import make_group_block, make_training_row
 from tandemrl.training.batch import (
     BatchError,
     collate_rows,
     count_loss_tokens,
-    make_group_block,
-    make_training_row,
     split_microbatches,
     trim_padding,
 )

@@ -10,7 +10,7 @@ import pytest
 
 from tandemrl.checkpoint.journal import lineage, read_journal
 from tandemrl.checkpoint.layout import JOURNAL, list_step_dirs
-from tandemrl.checkpoint.restore import plan_restore, resume
+from tandemrl.checkpoint.restore import plan_restore
 from tandemrl.config.loader import load_config
 from tandemrl.controller.build import build_fake_controller
 from tandemrl.data.dataloader import PromptDataLoader
@@ -58,7 +58,7 @@ async def one_attempt(cfg, *, stop_after_s: float | None, seed: int) -> bool:
         engines=[engine],
         dataloader=make_loader(),
     )
-    await resume(controller, plan_restore(cfg))
+    await controller.resume(plan_restore(cfg))
     try:
         await asyncio.wait_for(controller.run(), timeout=stop_after_s)
     except TimeoutError:
@@ -111,7 +111,7 @@ def test_resume_continues_step_numbering_and_weights_version(tmp_path):
             engines=[FakeGenerationBackend(seed=1)],
             dataloader=make_loader(),
         )
-        await resume(controller, plan)
+        await controller.resume(plan)
         assert controller.state.step == 3 and controller.trainer_version == 3
         history = await controller.run()
         controller.journal.close()

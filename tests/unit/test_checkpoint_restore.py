@@ -38,7 +38,7 @@ from tandemrl.checkpoint.layout import (
     snapshot_dir,
     write_manifest,
 )
-from tandemrl.checkpoint.restore import RestoreRefused, plan_restore, resume
+from tandemrl.checkpoint.restore import RestoreRefused, plan_restore
 from tandemrl.cli import main
 from tandemrl.config.loader import load_config
 from tandemrl.controller.build import build_fake_controller
@@ -108,9 +108,9 @@ class _Stop(Exception):
 
 async def _produce(cfg) -> None:
     controller = make_controller(cfg, stop_after_step=STOP_AFTER_STEP)
-    await resume(controller, plan_restore(cfg))
+    await controller.resume(plan_restore(cfg))
     # A non-empty replacement reserve, so its sidecar exists in every bundle.
-    controller.replacement_reserve_restore([PromptItem("spare-0", 0, 0, "spare=", answer="1")])
+    controller.run_state.replacement_reserve = [PromptItem("spare-0", 0, 0, "spare=", answer="1")]
     with pytest.raises(_Stop):
         await controller.run()
     # The run was cancelled after step 3's checkpoint; its in-flight groups stay in the ledger.
@@ -130,7 +130,7 @@ async def _produce(cfg) -> None:
         env_result=EnvResult(reward=1.0),
     )
     for _ in range(2):
-        assert await controller.checkpointer.attempt_snapshot(controller) is not None
+        assert await controller.checkpointer.attempt_snapshot() is not None
     controller.journal.close()
     if controller.commit_log is not None:
         controller.commit_log.close()
@@ -185,7 +185,7 @@ def bundle_relpaths(bundle: Path) -> list[str]:
 async def _resume_fresh(cfg, seed: int = 1):
     controller = make_controller(cfg, seed=seed)
     plan = plan_restore(cfg)
-    summary = await resume(controller, plan)
+    summary = await controller.resume(plan)
     controller.journal.close()
     if controller.commit_log is not None:
         controller.commit_log.close()
@@ -316,7 +316,7 @@ def test_both_modes_restore_a_whole_consistent_state(ckpt):
         assert controller.state.step == 3 and controller.trainer_version == 3
         assert summary["committed_groups"] == len(controller.buffer.ready_groups())
         assert controller.trainer.weights_version == 3
-        assert [item.prompt_id for item in controller.replacement_reserve_items()] == ["spare-0"]
+        assert [item.prompt_id for item in controller.run_state.replacement_reserve] == ["spare-0"]
 
 
 def test_selection_never_modifies_the_directory(ckpt):
@@ -334,12 +334,12 @@ def _bootstrap_only(tmp_path: Path, *overrides: str) -> Path:
 
     async def produce() -> None:
         controller = make_controller(cfg)
-        await resume(controller, plan_restore(cfg))
+        await controller.resume(plan_restore(cfg))
         for _ in range(3):  # some groups commit, none trains (no run, so no step)
             controller.rollout_manager.reserve(
                 controller.dataloader.next_item(), start_weight=0, target_step=0
             )
-        assert await controller.checkpointer.attempt_snapshot(controller) is not None
+        assert await controller.checkpointer.attempt_snapshot() is not None
         controller.journal.close()
         if controller.commit_log is not None:
             controller.commit_log.close()
@@ -547,7 +547,7 @@ def test_describe_reports_what_a_restart_resumes(ckpt):
     assert [g["group_id"] for g in resume_info["committed_groups"]] == [
         slot.group_id for slot in controller.buffer.ready_groups()
     ]
-    recovered = {group.group_id: group for group in controller.recovered_groups}
+    recovered = {group.group_id: group for group in controller.run_state.recovered_groups}
     assert {g["group_id"] for g in resume_info["unfinished_groups"]} == set(recovered)
     for group in resume_info["unfinished_groups"]:
         assert group["granularity"] == "sibling"
@@ -617,8 +617,8 @@ def test_a_later_write_sweeps_the_folders_of_interrupted_writes(ckpt):
 
     async def run_one_more_step() -> None:
         controller = make_controller(cfg, stop_after_step=4)
-        await resume(controller, plan_restore(cfg))
-        written = await controller.checkpointer.attempt_snapshot(controller)
+        await controller.resume(plan_restore(cfg))
+        written = await controller.checkpointer.attempt_snapshot()
         assert written == snapshot_dir(ckpt / "step_3", 3)
         assert not stale_snapshot.exists() and stale_step.exists()
         with pytest.raises(_Stop):

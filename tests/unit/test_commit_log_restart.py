@@ -18,7 +18,7 @@ from tandemrl.checkpoint.fingerprint import compatibility_identity, fingerprint_
 from tandemrl.checkpoint.inspect import describe_checkpoint_dir, render_text
 from tandemrl.checkpoint.journal import lineage, read_journal
 from tandemrl.checkpoint.layout import JOURNAL, list_snapshot_dirs, list_step_dirs
-from tandemrl.checkpoint.restore import plan_restore, resume
+from tandemrl.checkpoint.restore import plan_restore
 from tandemrl.checkpoint.rollout_state import read_rollout_state
 from tandemrl.config.loader import load_config
 from tandemrl.config.validate import validate_single_controller_config
@@ -54,7 +54,7 @@ async def attempt(
     """One attempt; at ``kill_after_s`` (or once ``kill_when(controller)``) it dies like a
     SIGKILL would leave it on disk."""
     controller = build(cfg, seed, failing)
-    await resume(controller, plan_restore(cfg))
+    await controller.resume(plan_restore(cfg))
     task = asyncio.create_task(controller.run())
     if kill_when is None:
         done, _ = await asyncio.wait({task}, timeout=kill_after_s)
@@ -190,7 +190,7 @@ def test_replay_restores_groups_consumed_by_rolled_back_steps_and_is_idempotent(
         state = read_rollout_state(plan.rollout_dir)
         replay, tip = replay_for(Path(cfg.checkpointing.checkpoint_dir), state.commit_log_next_lsn)
         controller = build(cfg, seed=1)
-        await resume(controller, plan)
+        await controller.resume(plan)
         ready = {slot.group_id for slot in controller.buffer.ready_groups()}
         assert ready == set(replay.committed) and ready
         # groups that a (now rolled back) step had consumed are trainable again
@@ -213,13 +213,15 @@ def test_replay_restores_groups_consumed_by_rolled_back_steps_and_is_idempotent(
         # replaying the same records again changes nothing
         before = (
             [s.to_state() for s in controller.buffer.live_groups()],
-            [g.group_id for g in controller.recovered_groups],
+            [g.group_id for g in controller.run_state.recovered_groups],
             controller.dataloader.state_dict(),
         )
-        await apply_replay(controller, replay, source="test")
+        await apply_replay(
+            controller.run_state, replay, rows=controller.rollout_manager, source="test"
+        )
         after = (
             [s.to_state() for s in controller.buffer.live_groups()],
-            [g.group_id for g in controller.recovered_groups],
+            [g.group_id for g in controller.run_state.recovered_groups],
             controller.dataloader.state_dict(),
         )
         assert before == after

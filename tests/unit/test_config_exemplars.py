@@ -9,12 +9,12 @@ import pytest
 from tandemrl.config import (
     MasterConfig,
     load_config,
-    required_buffer_capacity,
     validate_single_controller_config,
 )
 from tandemrl.controller.actor import run_text_codec
 from tandemrl.models import load_tokenizer, resolve_model_path
 from tandemrl.records import PromptItem
+from tandemrl.samplers import required_buffer_capacity
 
 CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "configs"
 EXEMPLARS = sorted(CONFIGS.glob("*.yaml"))

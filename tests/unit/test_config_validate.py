@@ -10,7 +10,6 @@ import pytest
 from tandemrl.config import (
     ConfigError,
     MasterConfig,
-    required_buffer_capacity,
     validate_single_controller_config,
 )
 from tandemrl.config.loader import apply_overrides, config_from_dict, resolve_references
@@ -20,6 +19,10 @@ from tandemrl.config.models import (
     WeightFifoSamplerConfig,
     WindowedSamplerConfig,
 )
+from tandemrl.controller.build import build_fake_controller
+from tandemrl.generation.fake import FakeGenerationBackend
+from tandemrl.samplers import required_buffer_capacity
+from tandemrl.training.fake import FakeTrainer
 
 GRPO_BASE: dict[str, Any] = {
     "policy": {"train_global_batch_size": 8, "train_micro_batch_size": 4},
@@ -87,6 +90,16 @@ class CheckpointableSampler(PlainSampler):
 class ClaimingSampler(PlainSampler):
     supports_buffer_checkpoint = True
     supports_training_claims = True
+
+
+class BuildableSampler(PlainSampler):
+    """What setup can build; it needs the buffer to hold two steps."""
+
+    def __init__(self, buffer, groups_per_step):
+        self.buffer = buffer
+
+    def required_buffer_capacity(self, groups_per_step):
+        return 2 * groups_per_step
 
 
 class NotASampler:
@@ -272,6 +285,25 @@ def test_buffer_is_sized_from_the_warmup_lookahead():
 
 def test_custom_sampler_buffer_is_not_checked_here():
     assert warnings(custom("PlainSampler"), "async_rl.max_buffered_rollouts=1") == []
+
+
+def test_setup_refuses_a_buffer_below_a_custom_samplers_capacity():
+    """Setup builds the custom class and asks it: a too-small buffer is refused, not deadlocked."""
+    # Two steps of num_prompts_per_step 4; validation leaves it to setup.
+    assert warnings(custom("BuildableSampler"), "async_rl.max_buffered_rollouts=7") == []
+    with pytest.raises(ConfigError) as info:
+        build_fake_controller(
+            make(custom("BuildableSampler"), "async_rl.max_buffered_rollouts=7"),
+            trainer=FakeTrainer(),
+            engines=[FakeGenerationBackend()],
+        )
+    find(info.value.messages, "async_rl.max_buffered_rollouts", "BuildableSampler", "at least 8")
+    controller = build_fake_controller(
+        make(custom("BuildableSampler"), "async_rl.max_buffered_rollouts=8"),
+        trainer=FakeTrainer(),
+        engines=[FakeGenerationBackend()],
+    )
+    assert controller.buffer.capacity == 8
 
 
 def test_required_buffer_capacity_formula():

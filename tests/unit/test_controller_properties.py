@@ -96,7 +96,6 @@ def test_accepted_configs_finish_and_keep_every_invariant(cfg, seed, sigma):
             notify()
 
         controller._notify = probing_notify  # type: ignore[method-assign]
-        controller.rollout_manager.on_change = probing_notify
         await asyncio.wait_for(controller.run(), timeout=20)  # a deadlock fails here
         return controller
 

@@ -14,7 +14,7 @@ from tandemrl.config.models import DataPlaneConfig
 from tandemrl.dataplane import DataPlaneError, LocalDataPlane, atomic, create_data_plane
 from tandemrl.dataplane.base import DataPlane, RowBlock
 from tandemrl.dataplane.local import MANIFEST_NAME, ROWS_FILE_NAME, row_digest
-from tandemrl.training.batch import make_group_block
+from tandemrl.dataplane.rows import make_group_block
 
 
 def run(coro):

@@ -15,7 +15,8 @@ from tandemrl.config.loader import load_config
 from tandemrl.config.models import LossConfig
 from tandemrl.config.validate import ConfigError, validate_single_controller_config
 from tandemrl.controller.step_runner import GRPOStepRunner
-from tandemrl.training.batch import collate_rows, make_training_row
+from tandemrl.dataplane.rows import make_training_row
+from tandemrl.training.batch import collate_rows
 from tandemrl.training.logprob_head import head_logprobs, supports_head_logprobs
 from tandemrl.training.policy_worker import is_right_padded, split_by_rows_and_tokens
 

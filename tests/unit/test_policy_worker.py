@@ -10,8 +10,9 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from tandemrl.config.models import LossConfig, PolicyConfig, SchedulerConfig
+from tandemrl.dataplane.rows import make_training_row
 from tandemrl.training.api import Trainer
-from tandemrl.training.batch import collate_rows, count_loss_tokens, make_training_row
+from tandemrl.training.batch import collate_rows, count_loss_tokens
 from tandemrl.training.losses import AllMaskedStepError
 from tandemrl.training.policy_worker import PolicyWorker
 from tandemrl.training.worker_common import CheckpointError, TrainStepError

@@ -20,9 +20,10 @@ from tandemrl.controller.ppo_step import (
     advantage_stage,
     warm_start_critic,
 )
+from tandemrl.dataplane.rows import make_training_row
 from tandemrl.envs.counting import CountingEnv
 from tandemrl.generation.fake import FakeGenerationBackend, LatencyModel, fake_codec
-from tandemrl.training.batch import collate_rows, make_training_row
+from tandemrl.training.batch import collate_rows
 from tandemrl.training.fake import FakeTrainer
 from tandemrl.training.worker_common import WORKER_STATE_FILE
 
@@ -232,9 +233,8 @@ def test_warmup_trains_only_the_critic_and_skips_refit_then_shrinks_lookahead() 
     lookahead_after_step: list[tuple[int, int]] = []
 
     async def record(controller, row):
-        lookahead_after_step.append(
-            (int(row["trainer_version"]), controller.sampler.lookahead_versions)
-        )
+        version = int(row["trainer_version"])
+        lookahead_after_step.append((version, controller.sampler.lookahead_at(version)))
 
     run = run_ppo(cfg, train_seconds_per_step=0.02, step_hooks=[record])
     assert len(run.history) == 6
@@ -258,7 +258,7 @@ def test_warmup_trains_only_the_critic_and_skips_refit_then_shrinks_lookahead() 
 def test_warmup_without_warmup_lookahead_keeps_the_sampler_lookahead() -> None:
     cfg = make_cfg("ppo.policy_training_start_step=1", "ppo.max_num_steps=3")
     run = run_ppo(cfg)
-    assert run.controller.sampler.lookahead_versions == 1
+    assert [run.controller.sampler.lookahead_at(version) for version in range(4)] == [1] * 4
     assert run.engine.weight_updates == [2, 3]
     assert run.policy.optimizer_steps == 2
     assert run.critic.optimizer_steps == 3

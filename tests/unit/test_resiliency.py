@@ -10,7 +10,6 @@ from collections import Counter
 import pytest
 from ray.exceptions import RayActorError
 
-from tandemrl.checkpoint.rollout_state import capture_rollout_state
 from tandemrl.config.loader import load_config
 from tandemrl.controller.build import build_fake_controller
 from tandemrl.controller.single_controller import StepShrunkTooFar
@@ -248,7 +247,7 @@ def test_replacement_reserve_is_part_of_the_checkpointed_state():
         "grpo.max_num_steps=1",
     )
     controller = run(cfg)
-    state = capture_rollout_state(controller, authoritative=True)
+    state = controller.run_state.capture(authoritative=True)
     assert len(state.replacement_reserve) == 2
 
 

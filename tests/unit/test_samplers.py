@@ -401,28 +401,32 @@ def test_load_dispatch_state_refuses_mismatch_without_mutating() -> None:
     for bad in ({"num_admitted": -1}, {"lookahead_versions": 5}, {"replacement_credits": "x"}):
         with pytest.raises(SamplerError, match="dispatch state"):
             sampler.load_dispatch_state({**state, "num_admitted": 7, **bad})
-        assert sampler.num_admitted == 0 and sampler.lookahead_versions == 1
+        assert sampler.num_admitted == 0 and sampler.lookahead_at(0) == 1
 
 
-def test_set_lookahead_warmup_then_shrink() -> None:
+def test_lookahead_is_wide_during_the_critic_warmup_then_shrinks() -> None:
     async def scenario() -> None:
         sampler = InOrderSampler(
-            new_buffer(), groups_per_step=1, max_lookahead_versions=0, warmup_lookahead_versions=2
+            new_buffer(),
+            groups_per_step=1,
+            max_lookahead_versions=0,
+            warmup_lookahead_versions=2,
+            policy_training_start_step=2,
         )
         version = Version()
-        assert sampler.lookahead_versions == 2  # PPO critic warm-up starts wide
+        assert sampler.lookahead_at(0) == 2  # PPO critic warm-up starts wide
         assert [await admit_now(sampler, version) for _ in range(4)] == [0, 1, 2, "blocked"]
-        sampler.set_lookahead(0)
-        version.value = 2
+        version.value = 2  # warm-up over: lookahead 0
+        assert sampler.lookahead_at(2) == 0
         assert await admit_now(sampler, version) == "blocked"  # step 3 > 2 + 0
         waiting = asyncio.ensure_future(sampler.admit(trainer_version_fn=version.fn))
         await asyncio.sleep(0)
-        sampler.set_lookahead(1)  # wakes the waiter
+        version.value = 3
+        sampler.notify()  # wakes the waiter, which re-reads the version
         assert await asyncio.wait_for(waiting, timeout=5) == 3
-        with pytest.raises(SamplerError, match="outside"):
-            sampler.set_lookahead(3)
-        with pytest.raises(SamplerError, match="no dispatch lookahead"):
-            WindowedSampler(new_buffer(), groups_per_step=1).set_lookahead(1)
+        assert WindowedSampler(new_buffer(), groups_per_step=1).lookahead_at(0) is None
+        with pytest.raises(SamplerError, match=">= 0"):
+            InOrderSampler(new_buffer(), groups_per_step=1, max_lookahead_versions=-1)
 
     asyncio.run(scenario())
 
@@ -468,7 +472,7 @@ def test_create_sampler_builtins() -> None:
         assert type(sampler) is cls and sampler.name == cfg.name
         assert sampler.supports_buffer_checkpoint and sampler.supports_training_claims
         assert sampler.groups_per_step == 3
-    assert create_sampler(cases[0][0], b, groups_per_step=3).lookahead_versions == 2
+    assert create_sampler(cases[0][0], b, groups_per_step=3).lookahead_at(0) == 2
     assert create_sampler(cases[3][0], b, groups_per_step=3).sample_freshest_first
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tandemrl.controller.actor import _backend_is_exact, text_codec
+from tandemrl.codec import _backend_is_exact, text_codec
 from tandemrl.models import load_tokenizer
 from tandemrl.models.tiny import resolve_model_path
 from tandemrl.models.tokenizer import CHAR_ALPHABET

@@ -11,9 +11,10 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from tandemrl.config.models import ValueConfig, ValueLossConfig
+from tandemrl.dataplane.rows import make_training_row
 from tandemrl.training.advantages import gae, sequence_rewards_to_tokens
 from tandemrl.training.api import ValueTrainer
-from tandemrl.training.batch import collate_rows, count_loss_tokens, make_training_row
+from tandemrl.training.batch import collate_rows, count_loss_tokens
 from tandemrl.training.value_worker import ValueWorker
 from tandemrl.training.worker_common import CheckpointError
 

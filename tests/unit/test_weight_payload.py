@@ -7,7 +7,7 @@ import pickle
 import numpy as np
 import torch
 
-from tandemrl.weight_payload import FlatWeights
+from tandemrl.transport.object_store import FlatWeights
 
 
 def test_flat_weights_round_trip_keeps_ties_and_integer_buffers() -> None:

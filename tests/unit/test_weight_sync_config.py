@@ -9,8 +9,11 @@ from tandemrl.config.loader import load_config
 from tandemrl.config.weight_sync import KEY, facts_from_config, resolve_weight_sync
 from tandemrl.controller.actor import make_weight_sync
 from tandemrl.controller.setup import PlacementError, plan_placement
-from tandemrl.controller.weight_sync import RayObjectStoreWeightSync
-from tandemrl.controller.weight_sync_cuda import CudaIpcWeightSync, NcclWeightSync
+from tandemrl.controller.weight_sync import (
+    CudaIpcWeightSync,
+    NcclWeightSync,
+    RayObjectStoreWeightSync,
+)
 from tandemrl.rollout.generation_pool import GenerationPool
 
 GPU_RUN = ("policy.device=cuda",)

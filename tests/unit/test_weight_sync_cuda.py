@@ -17,20 +17,14 @@ import torch
 from ray.exceptions import ActorDiedError
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from tandemrl.controller import weight_sync_cuda
-from tandemrl.controller.weight_sync_cuda import (
-    ALIGN_ELEMENTS,
-    CudaIpcWeightSync,
-    DeviceWeightSync,
-    FlatWeightSender,
-    IpcBuffer,
-    NcclWeightSync,
-    WeightLayout,
-    WeightReceiverHost,
-    WeightSyncError,
-    leave_process_group,
-)
+from tandemrl.controller import weight_sync
+from tandemrl.controller.weight_sync import CudaIpcWeightSync, DeviceWeightSync, NcclWeightSync
 from tandemrl.rollout.generation_pool import GenerationPool, NoGenerationWorkers
+from tandemrl.transport.ipc import IpcBuffer
+from tandemrl.transport.layout import ALIGN_ELEMENTS, WeightLayout, WeightSyncError
+from tandemrl.transport.process_group import WeightGroupAddress, leave_process_group
+from tandemrl.transport.receiver import WeightReceiverHost
+from tandemrl.transport.sender import FlatWeightSender
 
 TIED = "lm_head.weight"
 EMBED = "model.embed_tokens.weight"
@@ -309,7 +303,7 @@ class _FakeTrainer:
             if name == "create_weight_sender":
                 return WeightLayout.from_state_dict({"w": torch.zeros(2)}, torch.float32)
             if name == "open_weight_group":
-                return weight_sync_cuda.WeightGroupAddress("h", 1, "gloo", kwargs["world_size"], 1)
+                return WeightGroupAddress("h", 1, "gloo", kwargs["world_size"], 1)
             return None
 
         return call
@@ -352,7 +346,7 @@ def test_a_worker_dying_mid_broadcast_is_dropped_and_the_group_re_formed() -> No
 
 
 def test_a_hung_worker_ends_the_sync_with_an_error_naming_the_setting(monkeypatch) -> None:
-    monkeypatch.setattr(weight_sync_cuda, "CONTROLLER_SLACK_S", 0.05)
+    monkeypatch.setattr(weight_sync, "CONTROLLER_SLACK_S", 0.05)
     sync = NcclWeightSync(_FakeTrainer(), [_FakeEngine(hangs_on="receive_weight_broadcast")])
     sync.timeout_s = 0.05
     with pytest.raises(WeightSyncError, match=r"broadcast gave no answer.*weight_sync_timeout_s"):

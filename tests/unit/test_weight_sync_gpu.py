@@ -15,15 +15,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from tandemrl.controller.weight_sync_cuda import (
-    CudaIpcWeightSync,
-    FlatWeightSender,
-    IpcBuffer,
-    NcclWeightSync,
-    WeightReceiverHost,
-    WeightSyncError,
-    leave_process_group,
-)
+from tandemrl.controller.weight_sync import CudaIpcWeightSync, NcclWeightSync
+from tandemrl.transport.ipc import IpcBuffer
+from tandemrl.transport.layout import WeightSyncError
+from tandemrl.transport.process_group import leave_process_group
+from tandemrl.transport.receiver import WeightReceiverHost
+from tandemrl.transport.sender import FlatWeightSender
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
