@@ -24,13 +24,14 @@ from tandemrl.config.loader import load_config
 from tandemrl.config.models import LossConfig, PolicyConfig
 from tandemrl.controller.actor import run_text_codec
 from tandemrl.controller.build import ControllerParts, build_controller
+from tandemrl.dataplane.rows import make_training_row
 from tandemrl.envs.counting import CountingEnv
 from tandemrl.generation import torch_engine
 from tandemrl.generation.torch_engine import TorchGenerationEngine
 from tandemrl.models import load_causal_lm, load_tokenizer, resolve_model_path
 from tandemrl.models.special_tokens import model_eos_token_ids, stop_token_ids
 from tandemrl.records import GenerationRequest, GenerationResult
-from tandemrl.training.batch import collate_rows, count_loss_tokens, make_training_row
+from tandemrl.training.batch import collate_rows, count_loss_tokens
 from tandemrl.training.policy_worker import PolicyWorker
 
 torch.set_num_threads(1)

@@ -11,11 +11,12 @@ import torch
 from vllm_helpers import run, vllm_policy_cfg
 
 from tandemrl.config.models import LossConfig, PolicyConfig
+from tandemrl.dataplane.rows import make_training_row
 from tandemrl.generation.vllm_engine import VllmGenerationEngine
 from tandemrl.models import load_tokenizer, resolve_model_path
 from tandemrl.models.special_tokens import model_eos_token_ids, stop_token_ids
 from tandemrl.records import GenerationRequest, GenerationResult
-from tandemrl.training.batch import collate_rows, count_loss_tokens, make_training_row
+from tandemrl.training.batch import collate_rows, count_loss_tokens
 from tandemrl.training.policy_worker import PolicyWorker
 
 FAMILIES = ["llama3", "qwen2.5", "qwen3", "mistral", "gemma3", "phi3", "qwen3-moe"]
