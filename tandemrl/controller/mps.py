@@ -55,22 +55,35 @@ class MpsDaemon:
     previous_env: dict[str, str | None]
     stopped: bool = False
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 60.0) -> None:
         if self.stopped:
             return
         self.stopped = True
         env = {**os.environ, PIPE_ENV: self.pipe_dir, LOG_ENV: self.log_dir}
+        stopped = False
         try:
-            subprocess.run([CONTROL], input="quit\n", text=True, env=env, timeout=30, check=False)
-        except (OSError, subprocess.TimeoutExpired) as error:
+            # "quit" waits for the daemon's GPU clients (Ray's workers) to exit first.
+            subprocess.run(
+                [CONTROL], input="quit\n", text=True, env=env, timeout=timeout_s, check=False
+            )
+            stopped = True
+        except subprocess.TimeoutExpired:
+            log.warning(
+                "the MPS daemon in %s still serves GPU processes after %.0f s; it exits once "
+                "the last of them does",
+                self.pipe_dir,
+                timeout_s,
+            )
+        except OSError as error:
             log.warning("could not stop the MPS daemon in %s: %s", self.pipe_dir, error)
         for key, value in self.previous_env.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-        shutil.rmtree(os.path.dirname(self.pipe_dir), ignore_errors=True)
-        log.info("MPS daemon stopped")
+        if stopped:
+            shutil.rmtree(os.path.dirname(self.pipe_dir), ignore_errors=True)
+            log.info("MPS daemon stopped")
 
 
 def why_not(cfg: MasterConfig, *, gpus_visible: int) -> str | None:

@@ -171,30 +171,35 @@ def test_sigterm_checkpoints_then_the_same_command_resumes_and_then_says_complet
     """Preemption: SIGTERM writes a last checkpoint and exits 143; the same command resumes
     and logs every step exactly once; once more, it says the run is complete."""
     log_dir = tmp_path / "run"
-    args = [
-        "--config",
-        CHECKPOINTED,
-        *quiet(
-            log_dir,
-            f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}",
-            "checkpointing.save_period=100",
-            "grpo.max_num_steps=14",
-            "logger.save_final_model=false",
-        ),
-    ]
-    code, stderr = stop_with_signal(args, log_dir, signal.SIGTERM, after_steps=3)
+
+    def args(max_steps: int) -> list[str]:
+        return [
+            "--config",
+            CHECKPOINTED,
+            *quiet(
+                log_dir,
+                f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}",
+                "checkpointing.save_period=100",
+                f"grpo.max_num_steps={max_steps}",  # operational: a restart may change it
+                "logger.save_final_model=false",
+            ),
+        ]
+
+    # Long enough that the signal always lands mid-run, however fast the machine.
+    code, stderr = stop_with_signal(args(1000), log_dir, signal.SIGTERM, after_steps=3)
     assert code == 143, stderr[-3000:]
     stopped_at = metrics_steps(log_dir)[-1]
-    assert stopped_at < 14
+    assert stopped_at < 1000
     assert (tmp_path / "ckpt" / f"step_{stopped_at}").is_dir()  # written at the stop
     assert "run the same command to resume" in stderr and "Traceback" not in stderr
 
-    resumed = train(*args)
+    finish = stopped_at + 3
+    resumed = train(*args(finish))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resume after step {stopped_at}" in resumed.stderr
-    assert metrics_steps(log_dir) == list(range(1, 15))
+    assert metrics_steps(log_dir) == list(range(1, finish + 1))
 
-    complete = train(*args)
+    complete = train(*args(finish))
     assert complete.returncode == 0
     assert "this run is already complete" in complete.stderr
     assert "Started a local Ray instance" not in complete.stderr

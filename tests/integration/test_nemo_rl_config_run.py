@@ -64,7 +64,9 @@ logger:
   wandb_enabled: true
   mlflow_enabled: true
   tensorboard_enabled: false
-  wandb: {project: nemo-shaped, name: run}
+  # offline in the config: the trackers run in the controller actor, whose Ray worker
+  # process does not see an environment variable set after Ray started
+  wandb: {project: nemo-shaped, name: run, mode: offline}
   mlflow: {experiment_name: nemo-shaped, run_name: run}
 cluster: {gpus_per_node: 0, num_nodes: 1}
 data_plane: {enabled: true, impl: transfer_queue, backend: local}
@@ -75,10 +77,7 @@ async_rl:
 """
 
 
-def test_a_nemo_rl_shaped_recipe_trains_and_reaches_the_trackers(
-    ray_session, tmp_path, monkeypatch
-):
-    monkeypatch.setenv("WANDB_MODE", "offline")
+def test_a_nemo_rl_shaped_recipe_trains_and_reaches_the_trackers(ray_session, tmp_path):
     (tmp_path / "base").mkdir()
     (tmp_path / "base" / "exemplar.yaml").write_text(PARENT)
     recipe = tmp_path / "recipe.yaml"
