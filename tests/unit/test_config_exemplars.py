@@ -22,7 +22,10 @@ EXEMPLARS = sorted(CONFIGS.glob("*.yaml"))
 
 # Exemplars whose model folder exists only on the GPU box: validated with a tiny chat preset
 # of the same chat format (SmolLM2's is ChatML) in its place.
-MODEL_STAND_INS = {"grpo_smollm2_math_gpu": ("policy.model_name=tiny://qwen2.5",)}
+MODEL_STAND_INS = {
+    "grpo_smollm2_math_gpu": ("policy.model_name=tiny://qwen2.5",),
+    "grpo_gpu_1x": ("policy.model_name=tiny://qwen2.5",),
+}
 
 
 def exemplar(name: str) -> MasterConfig:
@@ -40,6 +43,7 @@ def test_the_expected_exemplars_exist():
         "grpo_tiny_cpu_checkpointed",
         "ppo_tiny_cpu",
         "grpo_smollm2_math_gpu",
+        "grpo_gpu_1x",
     }
 
 
@@ -142,3 +146,13 @@ def test_smollm2_exemplar_trains_a_chat_model_on_one_gpu():
     assert load_tokenizer(folder).convert_tokens_to_ids("<|im_end|>") in codec.stop_token_ids
     assert codec.render_prompt is not None
     assert codec.render_prompt(PromptItem("p", 0, 0, "7*6=")).endswith("<|im_start|>assistant\n")
+
+
+def test_the_one_gpu_exemplar_runs_the_measured_fastest_settings():
+    cfg = exemplar("grpo_gpu_1x")
+    colocated = cfg.policy.generation.colocated
+    assert cfg.policy.device == "cuda" and cfg.policy.compile_layers
+    assert (colocated.enabled, colocated.stand_down, colocated.mps) == (True, False, "auto")
+    assert cfg.async_rl.sampler.name == "ready_first"
+    assert cfg.loss_fn.use_importance_sampling_correction
+    assert (cfg.data.prompt_format, cfg.env.name) == ("chat", "math")
