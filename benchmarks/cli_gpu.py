@@ -54,44 +54,9 @@ def log(message: str) -> None:
 def write_wide_tokenizer(folder: Path, vocab_size: int) -> None:
     """The tiny models' character tokenizer, widened to the model's vocabulary: the characters
     keep their ids, every other id decodes to a placeholder, so any sampled id has text."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+    from tandemrl.models.tokenizer import build_char_tokenizer
 
-    from tandemrl.models.tokenizer import (
-        BOS_TOKEN,
-        CHAR_ALPHABET,
-        EOS_TOKEN,
-        PAD_TOKEN,
-        SPECIAL_TOKENS,
-        UNK_TOKEN,
-        byte_level_symbol,
-    )
-
-    vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS)}
-    for char in CHAR_ALPHABET:
-        vocab[byte_level_symbol(char)] = len(vocab)
-    for index in range(len(vocab), vocab_size):
-        vocab[f"<f{index}>"] = index
-    backend = Tokenizer(
-        models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False, byte_fallback=False)
-    )
-    backend.normalizer = normalizers.NFC()
-    backend.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    backend.decoder = decoders.ByteLevel()
-    PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        pad_token=PAD_TOKEN,
-        eos_token=EOS_TOKEN,
-        bos_token=BOS_TOKEN,
-        unk_token=UNK_TOKEN,
-        clean_up_tokenization_spaces=False,
-    ).save_pretrained(folder)
+    build_char_tokenizer(vocab_size=vocab_size).save_pretrained(folder)
 
 
 def write_dataset(path: Path, num_prompts: int, seed: int = 0) -> None:

@@ -62,10 +62,15 @@ def byte_level_symbol(char: str) -> str:
 
 
 def build_char_tokenizer(
-    alphabet: str = CHAR_ALPHABET, extra_special_tokens: tuple[str, ...] = ()
+    alphabet: str = CHAR_ALPHABET,
+    extra_special_tokens: tuple[str, ...] = (),
+    *,
+    vocab_size: int | None = None,
 ) -> PreTrainedTokenizerFast:
     """A fast tokenizer that maps every character of ``alphabet`` to its own id, and each of
-    ``extra_special_tokens`` (after them) to one id of its own."""
+    ``extra_special_tokens`` (after them) to one id of its own. ``vocab_size``: pad the
+    vocabulary with placeholder tokens (``<f{id}>``, never produced by encoding) up to a
+    model's embedding size, so that any id a model of that size samples decodes to text."""
     if len(set(alphabet)) != len(alphabet):
         raise ValueError(f"tokenizer alphabet {alphabet!r} repeats a character")
     clashes = set(extra_special_tokens) & set(SPECIAL_TOKENS)
@@ -74,6 +79,13 @@ def build_char_tokenizer(
     vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS)}
     for char in alphabet:
         vocab[byte_level_symbol(char)] = len(vocab)
+    if vocab_size is not None:
+        if extra_special_tokens:
+            raise ValueError("vocab_size pads after the alphabet: give no extra_special_tokens")
+        if vocab_size < len(vocab):
+            raise ValueError(f"vocab_size {vocab_size} is below the alphabet's {len(vocab)}")
+        for index in range(len(vocab), vocab_size):
+            vocab[f"<f{index}>"] = index
     # The same pipeline Qwen2Tokenizer builds, with an empty merge list.
     backend = Tokenizer(
         models.BPE(
