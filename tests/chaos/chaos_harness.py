@@ -67,6 +67,10 @@ class RunShape:
     prompts_per_step: int = 8
     generations_per_prompt: int = 8
     commit_log: bool = True
+    # The config the run starts from, and overrides of its own (an agent run needs
+    # checkpointing switched on, which the checkpointed exemplar has in its file).
+    config: Path = CONFIG
+    extra: tuple[str, ...] = ()
 
     @property
     def total_steps(self) -> int:
@@ -96,6 +100,7 @@ class RunShape:
             "logger.progress=false",
             "logger.tensorboard=false",
             "logger.plot=false",
+            *self.extra,
         ]
 
 
@@ -182,7 +187,9 @@ def _sigkill_group(pgid: int) -> bool:
 
 
 class Attempt:
-    def __init__(self, index: int, workdir: Path, overrides: list[str], marker: str) -> None:
+    def __init__(
+        self, index: int, workdir: Path, overrides: list[str], marker: str, config: Path = CONFIG
+    ) -> None:
         self.index = index
         self.log_path = workdir / f"attempt_{index:02d}.log"
         env = {
@@ -201,7 +208,7 @@ class Attempt:
                     "tandemrl.cli",
                     "train",
                     "--config",
-                    str(CONFIG),
+                    str(config),
                     *overrides,
                 ],
                 cwd=REPO,
@@ -415,7 +422,7 @@ def run_with_kills(
             starts_before = sum(
                 event["event"] == "start" for event in _journal_events(checkpoint_dir / JOURNAL)
             )
-            attempt = Attempt(report.attempts, workdir, overrides, marker)
+            attempt = Attempt(report.attempts, workdir, overrides, marker, shape.config)
             report.attempts += 1
             observer = Observer(checkpoint_dir, starts_before, shape)
             if not pending:
