@@ -90,6 +90,6 @@ def test_sigkill_of_a_multi_turn_agent_run_loses_and_replays_no_episode(tmp_path
     assert proof["groups_regenerated"] == 0 and proof["siblings_regenerated"] == 0, proof
     assert proof["finished_siblings_generated_again"] == 0, proof
     # Episodes staged or committed before a kill were restored, not played again.
-    assert proof["restored_committed"] + proof["restored_staged"] + proof[
-        "log_replayed_committed"
-    ] > 0, proof
+    assert (
+        proof["restored_committed"] + proof["restored_staged"] + proof["log_replayed_committed"] > 0
+    ), proof

@@ -36,7 +36,10 @@ def batch_rows(trainer):
                     (
                         tuple(chunk["input_ids"][index, :length].tolist()),
                         tuple(chunk["token_mask"][index, :length].tolist()),
-                        tuple(round(x, 5) for x in chunk["generation_logprobs"][index, :length].tolist()),
+                        tuple(
+                            round(x, 5)
+                            for x in chunk["generation_logprobs"][index, :length].tolist()
+                        ),
                     )
                 )
     return rows
@@ -220,7 +223,9 @@ def test_failures_are_charged_by_class_and_the_run_goes_on():
     controller, trainer = agent_controller(cfg, agent, engine, tokenizer, count=6)
     history = run_controller(controller)
     assert len(history) == 3 and len(trainer.steps) == 3  # every prompt trained in the end
-    causes = {(f.prompt_id, f.kind, f.cause.split(":")[0]) for f in controller.run_state.budgets.failures}
+    causes = {
+        (f.prompt_id, f.kind, f.cause.split(":")[0]) for f in controller.run_state.budgets.failures
+    }
     kinds = {prompt: kind for prompt, kind, _ in causes}
     assert kinds["e0-i0"] is FailureKind.DATA  # raised
     assert kinds["e0-i1"] is FailureKind.DATA  # hung past episode_timeout_s
@@ -236,7 +241,9 @@ def test_failures_are_charged_by_class_and_the_run_goes_on():
 def test_an_engine_failure_under_a_call_is_an_infrastructure_failure_of_the_episode():
     tokenizer = chat_tokenizer()
     engine = ScriptedEngine(counting_answers(tokenizer))
-    engine.fail = lambda request: "/a1/" in request.request_id and request.request_id.startswith("e0-i0/")
+    engine.fail = lambda request: (
+        "/a1/" in request.request_id and request.request_id.startswith("e0-i0/")
+    )
 
     class SwallowsErrors(Agent):  # catches the 503 and returns a reward anyway
         async def run(self, item, client):
@@ -250,7 +257,7 @@ def test_an_engine_failure_under_a_call_is_an_infrastructure_failure_of_the_epis
         "async_rl.rollout_failure.backoff_initial_s=0",
         steps=1,
     )
-    controller, trainer = agent_controller(cfg, SwallowsErrors(), engine, tokenizer)
+    controller, _ = agent_controller(cfg, SwallowsErrors(), engine, tokenizer)
     history = run_controller(controller)
     failures = controller.run_state.budgets.failures
     assert [f.kind for f in failures] == [FailureKind.INFRA]
@@ -289,13 +296,18 @@ def test_a_limit_ends_the_episode_truncated_without_failing_it(overrides, limit)
     assert history[-1]["agent/truncated_frac"] == 1.0
     assert history[-1]["reward_mean"] == 0.0
     rows = batch_rows(trainer)
-    assert len(rows) == 4 and all(len(ids) <= cfg.policy.max_total_sequence_length for ids, _, _ in rows)
+    assert len(rows) == 4 and all(
+        len(ids) <= cfg.policy.max_total_sequence_length for ids, _, _ in rows
+    )
     episodes = {r.request_id.rsplit("/", 1)[0] for r in engine.results}
     calls = Counter(r.request_id.rsplit("/", 1)[0] for r in engine.results)
     if limit == "max_turns":
         assert set(calls.values()) == {3}
     if limit == "max_tokens_per_episode":
-        assert all(sum(len(r.token_ids) for r in engine.results if r.request_id.startswith(e)) == 6 for e in episodes)
+        assert all(
+            sum(len(r.token_ids) for r in engine.results if r.request_id.startswith(e)) == 6
+            for e in episodes
+        )
 
 
 def test_finished_episodes_survive_the_ledger_state_and_agent_refs_pick_the_granularity():
@@ -328,6 +340,8 @@ def test_finished_episodes_survive_the_ledger_state_and_agent_refs_pick_the_gran
     assert resolve_granularity(plain, recovery) == "sibling"
     assert resolve_granularity(plain, recovery, default_agent_ref="pkg.mod:Agent") == "prompt_group"
     other_agent = PromptItem("p", 0, 0, "1=", agent_ref="pkg.mod:Other")
-    assert resolve_granularity(other_agent, recovery, default_agent_ref="pkg.mod:Agent") == "sibling"
+    assert (
+        resolve_granularity(other_agent, recovery, default_agent_ref="pkg.mod:Agent") == "sibling"
+    )
     by_source = PromptItem("p", 0, 0, "1=", task_source="math")
     assert resolve_granularity(by_source, recovery, default_agent_ref="x:Y") == "prompt_group"

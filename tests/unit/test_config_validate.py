@@ -775,7 +775,11 @@ AGENT = ("env.name=agent", "env.target=tandemrl.agents.counting_game:CountingGam
 
 def test_agent_runs_and_the_endpoint_refuse_keys_that_would_do_nothing():
     assert warnings(*AGENT, "data.dataset=builtin://counting") == []
-    find(errors("policy.generation.http_server.enabled=true"), "http_server.enabled", "env.name: agent")
+    find(
+        errors("policy.generation.http_server.enabled=true"),
+        "http_server.enabled",
+        "env.name: agent",
+    )
     find(errors("env.agent.max_turns=3"), "env.agent", "env.name: agent")
     find(errors("token_capture.on_prefix_mismatch=error"), "token_capture.on_prefix_mismatch")
     find(errors("env.name=agent", "data.dataset=builtin://counting"), "env.target", "required")

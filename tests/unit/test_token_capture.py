@@ -15,7 +15,9 @@ from tandemrl.training.fake import FakeTrainer
 
 
 def turn(prompt, tokens, version=0):
-    return AgentTurn(prompt, tokens, [-(i + 1) / 10 for i in range(len(tokens))], "stop", version, version)
+    return AgentTurn(
+        prompt, tokens, [-(i + 1) / 10 for i in range(len(tokens))], "stop", version, version
+    )
 
 
 def test_turns_that_extend_each_other_merge_with_the_tokens_between_masked():
@@ -74,8 +76,12 @@ def test_a_group_of_split_episodes_commits_and_gets_one_advantage_per_episode():
     slot = buffer.commit("g", rows, end_weight=0)
     assert slot.sample_ids == ["g/0", "g/1/r0", "g/1/r1"]
     buffer.reserve("h", 0, None, None)
-    with pytest.raises(ReplayBufferError, match="each of the 2 siblings"):
-        buffer.commit("h", [meta("h", 0, "h/0/r0", 1.0), meta("h", 0, "h/0/r1", 1.0), meta("h", 0, "h/0/r2", 1.0)], 0)
+    with pytest.raises(ReplayBufferError, match="each of the 2 siblings holding one or more"):
+        buffer.commit(
+            "h",
+            [meta("h", 0, "h/0/r0", 1.0), meta("h", 0, "h/0/r1", 1.0), meta("h", 0, "h/0/r2", 1.0)],
+            0,
+        )
 
     block = make_sequence_block(
         slot.sample_ids,
@@ -86,7 +92,10 @@ def test_a_group_of_split_episodes_commits_and_gets_one_advantage_per_episode():
         [1.0, 1.0, 1.0],
     )
     runner = GRPOStepRunner(
-        FakeTrainer(), group_size=2, leave_one_out_baseline=False, normalize_rewards=False,
+        FakeTrainer(),
+        group_size=2,
+        leave_one_out_baseline=False,
+        normalize_rewards=False,
         pad_token_id=0,
     )
     batch = runner.advantage_stage([slot], block.rows())
