@@ -204,6 +204,10 @@ class RunState:
         unfinished = [group.group_id for group in self.recovered_groups]
         groups = [*regenerated, *self.recovered_groups]
         groups.sort(key=lambda group: (group.target_step is None, group.target_step or 0))
+        for group in groups:  # the ledger in the same order: a snapshot keeps it
+            self.ledger.close(group.group_id)
+        for group in groups:
+            self.ledger.adopt(group)
         self.recovered_groups = groups
         return DroppedRollouts(
             committed=[group.group_id for group in regenerated],

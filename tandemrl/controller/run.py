@@ -155,10 +155,6 @@ def run_training(cfg: MasterConfig, *, overwrite_logs: bool = False) -> int:
         # Embedded single-machine Ray: keep every socket (TransferQueue's included) on loopback.
         # Ray reads this when it is first imported, hence before the import below.
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    import ray
-
-    from tandemrl.controller.setup import launch
-
     logging.basicConfig(
         level=cfg.logger.level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -179,6 +175,11 @@ def run_training(cfg: MasterConfig, *, overwrite_logs: bool = False) -> int:
         )
         return EXIT_OK
     check_run_can_start(cfg, plan, overwrite_logs=overwrite_logs)
+    # Imported once the run may start: a refusal answers before Ray's (slow) import.
+    import ray
+
+    from tandemrl.controller.setup import launch
+
     if cfg.checkpointing.enabled:
         log.info("%s", plan.describe())
     else:
