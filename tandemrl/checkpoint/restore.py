@@ -85,6 +85,13 @@ class Candidate:
 
 
 ON_CONFIG_CHANGE = ("refuse", "drop_rollouts", "keep")
+# Changes no policy can resume: the saved buffer holds groups of the old size, the saved
+# dispatch position belongs to the old sampler.
+UNRESUMABLE_CHANGES = (
+    "grpo.num_generations_per_prompt",
+    "ppo.num_generations_per_prompt",
+    "async_rl.sampler.name",
+)
 
 
 @dataclass
@@ -235,6 +242,16 @@ def plan_restore(cfg: MasterConfig) -> RestorePlan:
     change = plan.config_change
     if change is not None and change.policy == "refuse":
         raise RestoreRefused(change.refusal(plan.rollout_dir))
+    if change is not None:
+        unresumable = [line for line in change.changes if line.split(":")[0] in UNRESUMABLE_CHANGES]
+        if unresumable:
+            raise RestoreRefused(
+                f"the rollout state in {plan.rollout_dir} cannot be resumed under "
+                f"{'; '.join(unresumable)}, whatever rollout_checkpointing.on_config_change "
+                "says (the saved buffer and dispatch position belong to the old value). "
+                "Restart with the original value, or choose a new "
+                "checkpointing.checkpoint_dir. Nothing was started or modified."
+            )
     return plan
 
 

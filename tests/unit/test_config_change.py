@@ -214,6 +214,20 @@ def test_keep_trains_the_restored_groups_and_says_so(ckpt, caplog):
     assert set(kept) <= mixed
 
 
+def test_a_group_size_change_is_refused_under_every_policy(ckpt):
+    for policy in ("drop_rollouts", "keep"):
+        with pytest.raises(RestoreRefused, match=r"num_generations_per_prompt: 2 -> 4.*whatever"):
+            plan_restore(
+                cfg_at(
+                    ckpt,
+                    "grpo.num_generations_per_prompt=4",
+                    "policy.train_global_batch_size=16",
+                    "policy.train_micro_batch_size=16",
+                    f"rollout_checkpointing.on_config_change={policy}",
+                )
+            )
+
+
 @pytest.mark.parametrize(
     "override",
     [
@@ -301,4 +315,3 @@ def test_inspect_shows_the_changed_dotpaths_and_the_outcome_under_each_policy(ck
     assert code == 0, out
     assert "on_config_change=drop_rollouts: a restart resumes the model" in out
     assert tree_state(ckpt) == before
-
