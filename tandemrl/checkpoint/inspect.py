@@ -34,9 +34,11 @@ from tandemrl.checkpoint.layout import (
 )
 from tandemrl.checkpoint.restore import (
     ON_CONFIG_CHANGE,
+    UNRESUMABLE_CHANGES,
     CurrentConfig,
     RestorePlan,
     RestoreRefused,
+    config_change_refusal,
     plan_restore_dir,
 )
 from tandemrl.checkpoint.rollout_state import read_rollout_state, unfinished_groups
@@ -217,8 +219,9 @@ def describe_checkpoint_dir(path: str | Path, cfg: MasterConfig | None = None) -
             "sources": [{"where": where, "changes": lines} for where, lines in change.sources],
             "outcomes": _outcomes(plan, result),
         }
-        if change.policy == "refuse":
-            result.update(outcome="refused", refused=change.refusal(plan.rollout_dir))
+        refusal = config_change_refusal(plan)
+        if refusal is not None:
+            result.update(outcome="refused", refused=refusal)
     return result
 
 
@@ -244,6 +247,15 @@ def _outcomes(plan: RestorePlan, info: dict[str, Any]) -> dict[str, str]:
         ),
     }
     assert set(outcomes) == set(ON_CONFIG_CHANGE)
+    change = plan.config_change
+    assert change is not None
+    unresumable = [line for line in change.changes if line.split(":")[0] in UNRESUMABLE_CHANGES]
+    if unresumable:
+        for policy in ("drop_rollouts", "keep"):
+            outcomes[policy] = (
+                f"starts nothing either: {'; '.join(unresumable)} cannot be resumed under any "
+                "policy"
+            )
     return outcomes
 
 
@@ -254,19 +266,14 @@ def render_text(info: dict[str, Any]) -> str:
     lines = [f"checkpoint dir: {info['checkpoint_dir']}  (restore_mode {info['restore_mode']})"]
     lines.extend(f"note: {note}" for note in info["notes"])
     change = info.get("config_change")
-    if info["outcome"] == "refused" and change is None:
+    if info["outcome"] == "refused":
         lines.append(f"REFUSED: a restart would not start:\n  {info['refused']}")
-    elif info["outcome"] == "fresh":
+    if info["outcome"] == "fresh":
         lines.append("resume: none (fresh start)")
-    else:
+    elif info["outcome"] != "refused" or change is not None:
         source = info["rollout_state"]
-        refused = info["outcome"] == "refused"
         lines.append(
-            (
-                "REFUSED: a restart would not start (the config changed, below); it would "
-                if refused
-                else ""
-            )
+            ("otherwise it would " if info["outcome"] == "refused" else "")
             + f"resume: after step {info['step']}, trainer_version {info['trainer_version']}; "
             f"model from {info['trainer_checkpoint'] or 'the initial model (bootstrap)'}; "
             f"rollout state from {source}"

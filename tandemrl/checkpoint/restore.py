@@ -193,7 +193,7 @@ def _fingerprint_problem(manifest: dict[str, Any], current: CurrentConfig | None
     if current is None:
         return None
     changed = current.changes_since(manifest.get("identity"), manifest.get("fingerprint"))
-    return "config changed since it was written: " + "; ".join(changed) if changed else None
+    return ("config changed since it was written: " + "; ".join(changed)) if changed else None
 
 
 def _newest_valid_snapshot(
@@ -239,20 +239,29 @@ def plan_restore(cfg: MasterConfig) -> RestorePlan:
         restore_mode=cfg.rollout_checkpointing.restore_mode,
         current=CurrentConfig.of(cfg),
     )
-    change = plan.config_change
-    if change is not None and change.policy == "refuse":
-        raise RestoreRefused(change.refusal(plan.rollout_dir))
-    if change is not None:
-        unresumable = [line for line in change.changes if line.split(":")[0] in UNRESUMABLE_CHANGES]
-        if unresumable:
-            raise RestoreRefused(
-                f"the rollout state in {plan.rollout_dir} cannot be resumed under "
-                f"{'; '.join(unresumable)}, whatever rollout_checkpointing.on_config_change "
-                "says (the saved buffer and dispatch position belong to the old value). "
-                "Restart with the original value, or choose a new "
-                "checkpointing.checkpoint_dir. Nothing was started or modified."
-            )
+    refusal = config_change_refusal(plan)
+    if refusal is not None:
+        raise RestoreRefused(refusal)
     return plan
+
+
+def config_change_refusal(plan: RestorePlan) -> str | None:
+    """Why a restart must not start because of its config change (None: it may)."""
+    change = plan.config_change
+    if change is None:
+        return None
+    if change.policy == "refuse":
+        return change.refusal(plan.rollout_dir)
+    unresumable = [line for line in change.changes if line.split(":")[0] in UNRESUMABLE_CHANGES]
+    if not unresumable:
+        return None
+    return (
+        f"the rollout state in {plan.rollout_dir} cannot be resumed under "
+        f"{'; '.join(unresumable)}, whatever rollout_checkpointing.on_config_change says (the "
+        "saved buffer and dispatch position belong to the old value). Restart with the "
+        "original value, or choose a new checkpointing.checkpoint_dir. Nothing was started "
+        "or modified."
+    )
 
 
 def log_config_change(plan: RestorePlan) -> None:

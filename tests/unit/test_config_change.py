@@ -216,16 +216,18 @@ def test_keep_trains_the_restored_groups_and_says_so(ckpt, caplog):
 
 def test_a_group_size_change_is_refused_under_every_policy(ckpt):
     for policy in ("drop_rollouts", "keep"):
+        cfg = cfg_at(
+            ckpt,
+            "grpo.num_generations_per_prompt=4",
+            "policy.train_global_batch_size=16",
+            "policy.train_micro_batch_size=16",
+            f"rollout_checkpointing.on_config_change={policy}",
+        )
         with pytest.raises(RestoreRefused, match=r"num_generations_per_prompt: 2 -> 4.*whatever"):
-            plan_restore(
-                cfg_at(
-                    ckpt,
-                    "grpo.num_generations_per_prompt=4",
-                    "policy.train_global_batch_size=16",
-                    "policy.train_micro_batch_size=16",
-                    f"rollout_checkpointing.on_config_change={policy}",
-                )
-            )
+            plan_restore(cfg)
+        info = describe_checkpoint_dir(ckpt, cfg)
+        assert info["outcome"] == "refused", info["config_change"]
+        assert "cannot be resumed under any policy" in info["config_change"]["outcomes"][policy]
 
 
 @pytest.mark.parametrize(
