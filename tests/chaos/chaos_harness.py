@@ -30,7 +30,8 @@ each ``rollout_checkpointing.on_config_change`` policy — ``refuse`` (the real 
 train``: exit 2, the changed dotpath named, the directory byte for byte unchanged),
 ``drop_rollouts`` (killed again) and ``keep`` (to the end). Its attempts that train run
 ``light_driver.py`` (the driver's own restart decision and the real controller, writer, log
-and journal over the fake engine and trainer, no Ray), so the four starts cost seconds.
+and journal over the fake engine and trainer, no Ray), forked by one ``--serve`` zygote that
+paid the imports once, so a start costs nothing but the run itself.
 ``config_change_audit`` proves 0 lost, 0 duplicated, and that no group generated under an
 earlier config was trained after the change except those ``keep`` said it kept.
 """
@@ -196,8 +197,79 @@ def _sigkill_group(pgid: int) -> bool:
     return True
 
 
+class ForkedProcess:
+    """A child of the light driver's zygote, with the part of ``Popen``'s interface that
+    ``Attempt`` uses. Not our child: its end is seen from its exit-code file (written by a
+    child that ends by itself) or from its pid disappearing (a SIGKILL; the zygote's kernel
+    reaps it)."""
+
+    def __init__(self, pid: int, log_path: Path) -> None:
+        self.pid = pid
+        self.exit_path = Path(f"{log_path}.exit")
+        self.returncode: int | None = None
+
+    def _alive(self) -> bool:
+        try:
+            with open(f"/proc/{self.pid}/stat", "rb") as handle:
+                state = handle.read().rsplit(b")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            return False
+        return state != b"Z"
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            if self.exit_path.is_file() and not self._alive():
+                self.returncode = int(self.exit_path.read_text() or 1)
+            elif not self._alive():
+                self.returncode = -signal.SIGKILL
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(LIGHT_DRIVER), timeout or 0.0)
+            time.sleep(POLL_S)
+        assert self.returncode is not None
+        return self.returncode
+
+
+class LightZygote:
+    """``light_driver.py --serve``: imports once, then forks one light attempt per request
+    (each start then costs nothing but the run itself)."""
+
+    def __init__(self) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, str(LIGHT_DRIVER), "--serve"],
+            cwd=REPO,
+            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    def start(self, argv: list[str], log_path: Path) -> ForkedProcess:
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.process.stdin.write(json.dumps({"argv": argv, "log": str(log_path)}) + "\n")
+        self.process.stdin.flush()
+        answer = self.process.stdout.readline()
+        if not answer.strip():
+            raise RuntimeError(f"the light driver's zygote ended ({self.process.poll()})")
+        return ForkedProcess(int(answer), log_path)
+
+    def close(self) -> None:
+        if self.process.stdin is not None:
+            self.process.stdin.close()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
 class Attempt:
-    """One start of the run: ``tandemrl train`` (``light``: ``light_driver.py``)."""
+    """One start of the run: ``tandemrl train``, or with ``zygote`` a light attempt
+    (``light_driver.py``) forked by it."""
 
     def __init__(
         self,
@@ -206,7 +278,7 @@ class Attempt:
         overrides: list[str],
         marker: str,
         *,
-        light: bool = False,
+        zygote: LightZygote | None = None,
     ) -> None:
         self.index = index
         self.log_path = workdir / f"attempt_{index:02d}.log"
@@ -218,18 +290,29 @@ class Attempt:
         }
         self.marker = marker
         self.started = time.monotonic()
-        program = [str(LIGHT_DRIVER)] if light else ["-m", "tandemrl.cli", "train"]
+        self._pids: set[int] = set()
+        self._pids_at = 0.0
+        self.process: subprocess.Popen[bytes] | ForkedProcess
+        if zygote is not None:
+            self.process = zygote.start(["--config", str(CONFIG), *overrides], self.log_path)
+            return
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
-                [sys.executable, *program, "--config", str(CONFIG), *overrides],
+                [
+                    sys.executable,
+                    "-m",
+                    "tandemrl.cli",
+                    "train",
+                    "--config",
+                    str(CONFIG),
+                    *overrides,
+                ],
                 cwd=REPO,
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        self._pids: set[int] = set()
-        self._pids_at = 0.0
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started
@@ -238,6 +321,9 @@ class Attempt:
         return self.process.poll() is None
 
     def refresh_pids(self, *, force: bool = False) -> None:
+        if isinstance(self.process, ForkedProcess):
+            self._pids = {self.process.pid}  # a light attempt starts no process of its own
+            return
         if force or time.monotonic() - self._pids_at > PID_REFRESH_S:
             self._pids = _marked_pids(self.marker)
             self._pids_at = time.monotonic()
@@ -633,6 +719,7 @@ def run_config_change_case(
         (f"{TEMPERATURE}=0.5", "rollout_checkpointing.on_config_change=keep"),
     ]
     attempt: Attempt | None = None
+    zygote = LightZygote()
     try:
         for index, changed in enumerate([(), *restarts]):
             starts_before = sum(
@@ -641,7 +728,9 @@ def run_config_change_case(
             refuse = "rollout_checkpointing.on_config_change=refuse" in changed
             before = tree_digest(checkpoint_dir) if refuse else {}
             # The refused restart is the real command: it must exit before Ray starts.
-            attempt = Attempt(index, workdir, [*base, *changed], marker, light=not refuse)
+            attempt = Attempt(
+                index, workdir, [*base, *changed], marker, zygote=None if refuse else zygote
+            )
             if refuse or "rollout_checkpointing.on_config_change=keep" in changed:
                 timeout = point_timeout_s if refuse else final_timeout_s
                 try:
@@ -691,6 +780,8 @@ def run_config_change_case(
         if attempt is not None:
             attempt.kill_everything()
         raise
+    finally:
+        zygote.close()
     report.wall_s = round(time.monotonic() - started, 1)
     report.audit = config_change_audit(checkpoint_dir, shape)
     return report

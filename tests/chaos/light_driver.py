@@ -11,13 +11,17 @@ directory exactly as a killed ``tandemrl train`` leaves it: whatever the writer,
 the journal had written.
 
     python tests/chaos/light_driver.py --config FILE [a.b=c ...]
+    python tests/chaos/light_driver.py --serve      # a zygote: see ``serve``
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
+import os
+import signal
 import sys
 
 from tandemrl.config import ConfigError, load_and_validate
@@ -78,5 +82,42 @@ def main(argv: list[str] | None = None) -> int:
     return EXIT_OK
 
 
+def serve() -> None:
+    """Fork an attempt per request, after the imports above are paid once.
+
+    Reads one JSON line per attempt from stdin, ``{"argv": [...], "log": PATH}``; forks a
+    child in a session of its own (so a kill of its process group takes it) that writes its
+    output to ``PATH``, runs ``main(argv)`` and writes its exit code to ``PATH.exit`` (a
+    SIGKILLed child writes none); answers each request with the child's pid on stdout.
+    Children are reaped by the kernel (SIGCHLD ignored). Ends when stdin closes.
+    """
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    for line in sys.stdin:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            code = EXIT_FAILED
+            try:
+                os.setsid()
+                fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.dup2(fd, 1)
+                os.dup2(fd, 2)
+                code = main(request["argv"])
+            except BaseException:  # the child must never return into the server's loop
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                with open(request["log"] + ".exit", "w") as handle:
+                    handle.write(str(code))
+                os._exit(code)
+        print(pid, flush=True)
+
+
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--serve"]:
+        serve()
+        sys.exit(0)
     sys.exit(main())
