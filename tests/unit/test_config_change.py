@@ -21,6 +21,7 @@ from test_checkpoint_restart import all_prompt_ids, make_cfg
 from test_checkpoint_restore import tree_state
 from test_commit_log_restart import LOG_CFG, attempt, build
 
+from tandemrl.checkpoint.fingerprint import compatibility_identity
 from tandemrl.checkpoint.inspect import describe_checkpoint_dir, inspect_command, render_text
 from tandemrl.checkpoint.journal import lineage, read_journal
 from tandemrl.checkpoint.layout import JOURNAL, MANIFEST, list_step_dirs
@@ -250,6 +251,8 @@ def test_a_stored_identity_is_compared_without_the_current_operational_keys(ckpt
     _, step = list_step_dirs(ckpt)[-1]
     manifest_path = step / MANIFEST
     manifest = json.loads(manifest_path.read_text())
+    # a trainer checkpoint records the same identity as a snapshot
+    assert manifest["identity"] == compatibility_identity(cfg_at(ckpt))
     manifest["identity"]["policy.generation.weight_sync"] = "nccl"
     manifest["identity"]["checkpointing.preemption_grace_s"] = 30.0
     manifest["fingerprint"] = "0" * 64
