@@ -180,6 +180,13 @@ ROLLOUT_SEMANTIC_PATHS: tuple[str, ...] = (
     "env.name",
     "env.target",
     "env.kwargs",
+    # agents: the sampling a request may ask for, and the episodes' limits and deadlines
+    "policy.generation.http_server.allow_sampling_overrides",
+    "env.agent.max_turns",
+    "env.agent.max_tokens_per_turn",
+    "env.agent.max_tokens_per_episode",
+    "env.agent.call_timeout_s",
+    "env.agent.episode_timeout_s",
 )
 
 
