@@ -127,8 +127,31 @@ def tiny_engine(model_dir: Path) -> Any:
     return TorchGenerationEngine(model_dir, device="cpu", dtype="float32", max_batch_size=256)
 
 
-def exemplar_run(client: str, *, steps: int, workdir: Path) -> list[float]:
-    """Step times of one ``tandemrl train`` of the exemplar with ``env.agent.client``."""
+def learning(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """How the reward moved: first and last 20 steps, and when (seconds of steps, step) the
+    20-step mean first stood 0.3 above the first 20 steps'."""
+    rewards = [float(row["reward_mean"]) for row in rows]
+    window = min(20, len(rewards))
+    first = sum(rewards[:window]) / window
+    reached = None
+    elapsed = 0.0
+    for index, row in enumerate(rows):
+        elapsed += float(row["step_time_s"])
+        if index + 1 >= window:
+            mean = sum(rewards[index + 1 - window : index + 1]) / window
+            if mean >= first + 0.3:
+                reached = {"step": index + 1, "step_time_s_sum": round(elapsed, 1)}
+                break
+    return {
+        "reward_first20": round(first, 4),
+        "reward_last20": round(sum(rewards[-window:]) / window, 4),
+        "plus_0_3_reached": reached,
+        "step_time_s_sum": round(sum(float(row["step_time_s"]) for row in rows), 1),
+    }
+
+
+def exemplar_run(client: str, *, steps: int, workdir: Path) -> list[dict[str, Any]]:
+    """The metrics rows of one ``tandemrl train`` of the exemplar with ``env.agent.client``."""
     log_dir = workdir / f"{client}-{time.monotonic_ns()}"
     command = [
         sys.executable,
@@ -147,8 +170,7 @@ def exemplar_run(client: str, *, steps: int, workdir: Path) -> list[float]:
     ]
     env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_AUTH_MODE": "disabled"}
     subprocess.run(command, cwd=REPO, env=env, check=True, capture_output=True)
-    rows = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
-    return [float(row["step_time_s"]) for row in rows]
+    return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def main() -> None:
@@ -188,11 +210,13 @@ def main() -> None:
     }
     if not args.skip_exemplar:
         times: dict[str, list[float]] = {"http": [], "in_process": []}
+        runs: dict[str, list[dict[str, Any]]] = {"http": [], "in_process": []}
         with tempfile.TemporaryDirectory(prefix="agent-endpoint-") as scratch:
             for _ in range(args.rounds):
                 for client in ("http", "in_process"):
-                    steps = exemplar_run(client, steps=args.steps, workdir=Path(scratch))
-                    times[client] += steps[args.warmup :]
+                    rows = exemplar_run(client, steps=args.steps, workdir=Path(scratch))
+                    times[client] += [float(row["step_time_s"]) for row in rows[args.warmup :]]
+                    runs[client].append(learning(rows))
         http_step = statistics.median(times["http"])
         local_step = statistics.median(times["in_process"])
         overhead = (http_step - local_step) / http_step
@@ -204,6 +228,7 @@ def main() -> None:
                 "goal_endpoint_overhead_frac": GOAL_OVERHEAD_FRAC,
                 "endpoint_overhead_goal_met": overhead <= GOAL_OVERHEAD_FRAC,
                 "steps_measured_per_variant": len(times["http"]),
+                "exemplar_learning": runs,
             }
         )
     result["loadavg_before"] = [round(x, 2) for x in load_before]
