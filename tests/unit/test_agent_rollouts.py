@@ -345,3 +345,39 @@ def test_finished_episodes_survive_the_ledger_state_and_agent_refs_pick_the_gran
     )
     by_source = PromptItem("p", 0, 0, "1=", task_source="math")
     assert resolve_granularity(by_source, recovery, default_agent_ref="x:Y") == "prompt_group"
+
+
+class SlowTool(Agent):
+    """Waits on a slow tool (0.6 s), during which the engine stands down for ``frozen_s``."""
+
+    def __init__(self, engine: ScriptedEngine, frozen_s: float) -> None:
+        self.engine = engine
+        self.frozen_s = frozen_s
+
+    async def run(self, item, client):
+        await asyncio.sleep(0.05)
+        if self.frozen_s and not self.engine.frozen:  # one stand-down, seen by both episodes
+            self.engine.frozen = self.frozen_s  # the clocks stop while the engine is asleep
+        await asyncio.sleep(0.55)
+        return await CountingGameAgent().run(item, client)
+
+
+@pytest.mark.parametrize("frozen_s", [0.0, 1.0])
+def test_the_episode_deadline_counts_awake_time_only(frozen_s):
+    tokenizer = chat_tokenizer()
+    engine = ScriptedEngine(counting_answers(tokenizer))
+    cfg = small_agent_config(
+        "env.agent.client=in_process",
+        "env.agent.episode_timeout_s=0.4",
+        "async_rl.rollout_failure.max_data_retries=0",
+        steps=1,
+    )
+    controller, _ = agent_controller(cfg, SlowTool(engine, frozen_s), engine, tokenizer)
+    manager = controller.rollout_manager
+    group = manager.reserve(PromptItem("e0-i0", 0, 0, "58="), start_weight=0, target_step=0)
+    if frozen_s:  # 0.6 s of wall time, 1 s of it stood down: well within 0.4 s awake
+        asyncio.run(manager._run_all_episodes(group, manager.agents))
+        assert sorted(group.staged) == [0, 1]
+    else:
+        with pytest.raises(RolloutDropped, match="episode_timeout_s=0.4"):
+            asyncio.run(manager._run_all_episodes(group, manager.agents))
