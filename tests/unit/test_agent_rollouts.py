@@ -379,5 +379,5 @@ def test_the_episode_deadline_counts_awake_time_only(frozen_s):
         asyncio.run(manager._run_all_episodes(group, manager.agents))
         assert sorted(group.staged) == [0, 1]
     else:
-        with pytest.raises(RolloutDropped, match="episode_timeout_s=0.4"):
+        with pytest.raises(RolloutDropped, match=r"episode_timeout_s=0\.4"):
             asyncio.run(manager._run_all_episodes(group, manager.agents))
