@@ -260,8 +260,22 @@ class ImportanceSamplingConfig(Strict):
 
 
 class LossConfig(Strict):
+    # The PPO ratio is clipped to [1 - ratio_clip_min, 1 + ratio_clip_max]; the two may differ
+    # (DAPO's clip-higher: a larger ratio_clip_max).
     ratio_clip_min: float = Field(0.2, ge=0.0)
     ratio_clip_max: float = Field(0.2, ge=0.0)
+    # Dual-clip PPO: on tokens with a negative advantage the loss is at most -c x A, so a huge
+    # ratio cannot push the policy arbitrarily far. None: off; NeMo-RL's usual value is 3.
+    ratio_clip_c: float | None = Field(None, gt=1.0)
+    # beta of a KL penalty to a frozen reference policy (the initial weights of
+    # policy.model_name, held by the policy worker): loss_t += beta x KL_t. 0: off.
+    reference_policy_kl_penalty: float = Field(0.0, ge=0.0)
+    # Per-token estimator of KL(pi || pi_ref) from the sampled token, with
+    # logr = log pi_ref - log pi: k1 = -logr, k2 = logr^2 / 2, k3 = exp(logr) - 1 - logr.
+    reference_policy_kl_type: Literal["k1", "k2", "k3"] = "k3"
+    # logr is clamped to [-input, input] and the per-token KL to [-output, output]; None: off.
+    kl_input_clamp_value: float | None = Field(20.0, gt=0.0)
+    kl_output_clamp_value: float | None = Field(10.0, gt=0.0)
     # In a master config it defaults to whether the sampler admits off-policy data
     # (MasterConfig._derive_defaults); False for a LossConfig built on its own.
     use_importance_sampling_correction: bool = False

@@ -218,6 +218,7 @@ class _Checker:
         self.check_streaming(algo)
         self.check_buffer_and_inflight(algo)
         self.check_importance_sampling(algo)
+        self.check_loss()
         if algo == "ppo":
             self.check_ppo()
         else:
@@ -366,6 +367,29 @@ class _Checker:
                 f"admits off-policy data ({knob}); set it to true, or make the sampler "
                 "on-policy (in_order with max_lookahead_versions: 0)"
             )
+
+    def check_loss(self) -> None:
+        """The clip range and the reference-policy KL penalty (``tandemrl.training.losses``)."""
+        loss = self.cfg.loss_fn
+        if loss.ratio_clip_min >= 1.0:
+            self.error(
+                f"loss_fn.ratio_clip_min: {loss.ratio_clip_min} puts the lower clip bound "
+                f"1 - ratio_clip_min at or below 0, where no ratio can fall; use a value below "
+                "1 (the bounds are [1 - ratio_clip_min, 1 + ratio_clip_max]; they may differ)"
+            )
+        if loss.reference_policy_kl_penalty == 0:
+            defaults = type(loss)()
+            for key in (
+                "reference_policy_kl_type",
+                "kl_input_clamp_value",
+                "kl_output_clamp_value",
+            ):
+                if getattr(loss, key) != getattr(defaults, key):
+                    self.error(
+                        f"loss_fn.{key}: {getattr(loss, key)!r} does nothing while "
+                        "loss_fn.reference_policy_kl_penalty is 0; set the penalty (> 0) or "
+                        "remove it"
+                    )
 
     def check_ppo(self) -> None:
         cfg = self.cfg

@@ -87,6 +87,7 @@ def make_step_runner(
         normalize_rewards=algo.normalize_rewards,
         pad_token_id=pad_token_id,
         reuse_training_logprobs=cfg.loss_fn.reuse_training_logprobs,
+        reference_kl=cfg.loss_fn.reference_policy_kl_penalty > 0,
     )
 
 

@@ -48,7 +48,7 @@ import torch
 from tandemrl.buffer import Slot
 from tandemrl.config.models import MasterConfig
 from tandemrl.config.validate import ppo_epoch_problems
-from tandemrl.controller.step_runner import StepRows, collate_step_rows
+from tandemrl.controller.step_runner import StepRows, collate_step_rows, reference_logprobs
 from tandemrl.training.advantages import gae, sequence_rewards_to_tokens, whiten
 from tandemrl.training.api import TrainBatch, Trainer, ValueTrainer
 from tandemrl.training.batch import count_loss_tokens, loss_mask
@@ -79,6 +79,8 @@ class PPOSettings:
     offload_optimizer: bool
     warm_start_value_checkpoint: str | None
     reuse_training_logprobs: bool = False
+    # loss_fn.reference_policy_kl_penalty > 0: the policy epochs need reference logprobs.
+    reference_kl: bool = False
 
     @classmethod
     def from_config(cls, cfg: MasterConfig) -> PPOSettings:
@@ -95,6 +97,7 @@ class PPOSettings:
             offload_optimizer=cfg.policy.offload_optimizer_for_logprob,
             warm_start_value_checkpoint=ppo.warm_start_value_checkpoint,
             reuse_training_logprobs=cfg.loss_fn.reuse_training_logprobs,
+            reference_kl=cfg.loss_fn.reference_policy_kl_penalty > 0,
         )
 
     def policy_trains_at(self, version: int) -> bool:
@@ -280,6 +283,8 @@ class PPOStepRunner:
             batch["prev_logprobs"] = prev_logprobs
         else:
             values = await self.value_trainer.get_values(batch)
+        if policy_trains and self.settings.reference_kl:
+            batch["reference_logprobs"] = await reference_logprobs(self.trainer, batch)
         advantage_stage(
             batch,
             values,

@@ -261,9 +261,9 @@ def test_megatron_is_one_line(tmp_path, base):
             "LoRA",
         ),
         (
-            "loss_fn:\n  reference_policy_kl_penalty: 0.01\n",
-            "loss_fn.reference_policy_kl_penalty",
-            "reference policy",
+            "loss_fn:\n  reference_policy_kl_penalty: 0.01\n  use_kl_in_reward: true\n",
+            "loss_fn.use_kl_in_reward",
+            "folded into the reward",
         ),
         ("policy:\n  generation: {top_k: 50}\n", "policy.generation.top_k", "top-k"),
         ("grpo:\n  reward_shaping: {enabled: true}\n", "grpo.reward_shaping", "not implemented"),

@@ -765,3 +765,31 @@ def test_config_error_lists_every_message_in_its_text():
     assert "2 problems" in str(error)
     assert "a.b: first" in str(error) and "c.d: second" in str(error)
     assert isinstance(error, ValueError)
+
+
+# --------------------------------------------------------------------------- loss: clips and KL
+
+
+def test_asymmetric_clip_is_accepted_and_a_lower_bound_at_zero_is_refused():
+    assert warnings("loss_fn.ratio_clip_min=0.2", "loss_fn.ratio_clip_max=0.28") == []
+    find(errors("loss_fn.ratio_clip_min=1.0"), "loss_fn.ratio_clip_min", "below 1")
+
+
+def test_dual_clip_needs_c_above_one():
+    assert make("loss_fn.ratio_clip_c=3.0").loss_fn.ratio_clip_c == 3.0
+    with pytest.raises(ValueError, match="ratio_clip_c"):
+        make("loss_fn.ratio_clip_c=1.0")
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "loss_fn.reference_policy_kl_type=k1",
+        "loss_fn.kl_input_clamp_value=null",
+        "loss_fn.kl_output_clamp_value=5.0",
+    ],
+)
+def test_kl_settings_without_a_kl_penalty_are_refused(override):
+    key = override.split("=")[0]
+    find(errors(override), key, "reference_policy_kl_penalty")
+    assert warnings(override, "loss_fn.reference_policy_kl_penalty=0.01") == []
