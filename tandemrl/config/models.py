@@ -187,6 +187,31 @@ class PolicyConfig(Strict):
 # --------------------------------------------------------------------------- algorithms
 
 
+class RewardScalingConfig(Strict):
+    """``reward_scaling``: each reward clamped to [source_min, source_max], then mapped
+    linearly onto [target_min, target_max] (NeMo-RL's keys and defaults)."""
+
+    enabled: bool = False
+    source_min: float = 0.0
+    source_max: float = 1.0
+    target_min: float = 0.0
+    target_max: float = 1.0
+
+
+class RewardShapingConfig(Strict):
+    """``reward_shaping``: DAPO's overlong penalty by completion length, or NeMo-RL's
+    stop-properly penalty on truncated completions (tandemrl/training/rewards.py)."""
+
+    enabled: bool = False
+    # Overlong penalty: a completion longer than max_response_length - overlong_buffer_length
+    # tokens loses overlong_buffer_penalty x (excess / overlong_buffer_length).
+    overlong_buffer_length: int | None = Field(None, ge=1)
+    overlong_buffer_penalty: float | None = Field(None, ge=0.0)
+    max_response_length: int | None = Field(None, ge=1)
+    # Instead: a truncated completion's reward is multiplied by this factor (0: no reward).
+    stop_properly_penalty_coef: float | None = Field(None, ge=0.0, le=1.0)
+
+
 class AlgorithmCommon(Strict):
     num_prompts_per_step: int = Field(16, ge=1)
     num_generations_per_prompt: int = Field(8, ge=1)
@@ -199,9 +224,15 @@ class AlgorithmCommon(Strict):
     val_period: int = 0
     val_at_start: bool = False
     val_at_end: bool = False
-    reward_shaping: dict[str, Any] | None = None
-    reward_scaling: dict[str, Any] | None = None
+    # Applied to every completion's reward before it is stored: scaling, then shaping.
+    reward_shaping: RewardShapingConfig | None = None
+    reward_scaling: RewardScalingConfig | None = None
+    # GRPO: DAPO dynamic sampling. A selected group whose rewards are all equal (advantage 0
+    # for every member) is dropped and the step keeps filling from the buffer; a step drops at
+    # most (dynamic_sampling_max_gen_batches - 1) x num_prompts_per_step groups, beyond which
+    # it trains what comes (tandemrl/controller/dynamic_sampling.py).
     use_dynamic_sampling: bool = False
+    dynamic_sampling_max_gen_batches: int = Field(10, ge=1)
     # Exclude truncated completions (hit max_new_tokens) from the loss through sample_mask.
     overlong_filtering: bool = False
 

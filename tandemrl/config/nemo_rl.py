@@ -239,7 +239,13 @@ def _algorithm(tx: _Translator, block: str) -> None:
             "NeMo-Gym message-level advantage penalties",
             f"set {block}.{key}: null",
         )
-    tx.ignore(f"{block}.dynamic_sampling_max_gen_batches", "dynamic sampling is not used")
+    tx.inert(
+        f"{block}.reward_shaping.alp_coef",
+        _null,
+        "the adaptive length penalty (reward_shaping.alp_coef)",
+        f"use the overlong penalty or stop_properly_penalty_coef, and set "
+        f"{block}.reward_shaping.alp_coef: null",
+    )
     tx.ignore(f"{block}.calculate_advantages_on_gpu", "where advantages are computed")
     tx.inert(
         f"{block}.batch_multiplier",

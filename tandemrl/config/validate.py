@@ -255,16 +255,99 @@ class _Checker:
                     f"{algo}.{key}: validation is not supported on the single-controller path; "
                     f"remove it (set {algo}.val_period: 0, val_at_start/val_at_end: false)"
                 )
-        for key in ("reward_shaping", "reward_scaling"):
-            if getattr(block, key) is not None:
-                self.error(
-                    f"{algo}.{key}: not implemented on the single-controller path; remove it "
-                    "(it would otherwise be silently skipped)"
-                )
-        if block.use_dynamic_sampling:
+        self.check_rewards(algo)
+        self.check_dynamic_sampling(algo)
+
+    def check_rewards(self, algo: str) -> None:
+        """reward_scaling and reward_shaping (``tandemrl.training.rewards``)."""
+        block = self.cfg.algorithm
+        scaling = block.reward_scaling
+        if scaling is not None and not scaling.enabled and scaling != type(scaling)():
             self.error(
-                f"{algo}.use_dynamic_sampling: not implemented on the single-controller path; "
-                "set it to false"
+                f"{algo}.reward_scaling: its ranges are set but enabled is false, so they do "
+                f"nothing; set {algo}.reward_scaling.enabled: true or remove the block"
+            )
+        elif scaling is not None and scaling.enabled:
+            for low, high in (("source_min", "source_max"), ("target_min", "target_max")):
+                if getattr(scaling, low) >= getattr(scaling, high):
+                    self.error(
+                        f"{algo}.reward_scaling.{low}: {getattr(scaling, low)} must be below "
+                        f"{algo}.reward_scaling.{high} ({getattr(scaling, high)})"
+                    )
+        shaping = block.reward_shaping
+        if shaping is None:
+            return
+        where = f"{algo}.reward_shaping"
+        overlong_keys = ("overlong_buffer_length", "overlong_buffer_penalty", "max_response_length")
+        if not shaping.enabled:
+            if shaping != type(shaping)():
+                self.error(
+                    f"{where}: its penalties are set but enabled is false, so they do nothing; "
+                    f"set {where}.enabled: true or remove the block"
+                )
+            return
+        if shaping.stop_properly_penalty_coef is not None:
+            for key in overlong_keys:
+                if getattr(shaping, key) is not None:
+                    self.error(
+                        f"{where}.{key}: the overlong penalty and "
+                        f"{where}.stop_properly_penalty_coef exclude each other (with the "
+                        "coefficient set, this key would be ignored); keep one of them"
+                    )
+            return
+        missing = [key for key in overlong_keys if getattr(shaping, key) is None]
+        for key in missing:
+            self.error(
+                f"{where}.{key}: required by the overlong penalty (enabled: true); set "
+                f"overlong_buffer_length, overlong_buffer_penalty and max_response_length, or "
+                f"{where}.stop_properly_penalty_coef instead"
+            )
+        if missing:
+            return
+        buffer, longest = shaping.overlong_buffer_length, shaping.max_response_length
+        assert buffer is not None and longest is not None
+        if buffer > longest:
+            self.error(
+                f"{where}.overlong_buffer_length: {buffer} is longer than "
+                f"{where}.max_response_length ({longest}); the penalty starts at "
+                "max_response_length - overlong_buffer_length tokens, which must be >= 0"
+            )
+        new_tokens = self.cfg.policy.generation.max_new_tokens
+        if longest - buffer >= new_tokens:
+            self.warn(
+                f"{where}: the penalty starts above {longest - buffer} tokens "
+                f"(max_response_length - overlong_buffer_length), but no completion is longer "
+                f"than policy.generation.max_new_tokens ({new_tokens}): it never applies"
+            )
+
+    def check_dynamic_sampling(self, algo: str) -> None:
+        block = self.cfg.algorithm
+        default_cap = type(block).model_fields["dynamic_sampling_max_gen_batches"].default
+        if not block.use_dynamic_sampling:
+            if block.dynamic_sampling_max_gen_batches != default_cap:
+                self.error(
+                    f"{algo}.dynamic_sampling_max_gen_batches: does nothing while "
+                    f"{algo}.use_dynamic_sampling is false; set use_dynamic_sampling: true or "
+                    "remove it"
+                )
+            return
+        if algo == "ppo":
+            self.error(
+                "ppo.use_dynamic_sampling: GRPO only — it drops groups whose rewards are all "
+                "equal because their group-baseline advantage is 0, which GAE's is not; set it "
+                "to false"
+            )
+        if block.num_generations_per_prompt < 2:
+            self.error(
+                f"{algo}.use_dynamic_sampling: needs {algo}.num_generations_per_prompt >= 2 "
+                f"(got {block.num_generations_per_prompt}); a group of one always has "
+                "advantage 0, so every group would be dropped"
+            )
+        if isinstance(self.sampler, CustomSamplerConfig):
+            self.error(
+                f"{algo}.use_dynamic_sampling: needs a built-in sampler (async_rl.sampler.name "
+                "is custom): a dropped group is replaced through the built-in samplers' "
+                "replacement credits"
             )
 
     def check_batch_sizes(self, algo: str) -> None:

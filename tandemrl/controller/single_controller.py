@@ -9,7 +9,8 @@ Rollout pump, per prompt group (reference spec, "Coordination Flow"):
 Train pump, per RL step:
 
     sampler.evict → sampler.select (≥ min_groups_for_streaming_train per chunk, a step is
-    num_prompts_per_step groups) → advantage stage → policy begin_train_step /
+    num_prompts_per_step groups) → [dynamic sampling: drop zero-advantage groups, select
+    again] → advantage stage → policy begin_train_step /
     train_microbatches per chunk / finish_train_step → clear the step's rows →
     trainer_version += 1 → weight sync (rollout permission closed meanwhile)
 
@@ -43,6 +44,7 @@ from tandemrl.checkpoint.journal import RunJournal
 from tandemrl.checkpoint.restore import RestorePlan, resume
 from tandemrl.checkpoint.writer import CheckpointWriter
 from tandemrl.config.models import StallWatchdogConfig
+from tandemrl.controller.dynamic_sampling import DynamicSampling
 from tandemrl.controller.eviction_warning import EvictionWatch
 from tandemrl.controller.step_metrics import StepAccumulator, TrainedGroup
 from tandemrl.controller.step_runner import StepRunner
@@ -83,6 +85,8 @@ class ControllerSettings:
     replacement_reserve_size: int = 0
     # Every this many steps, the last few completions go to the metrics sink (0: never).
     sample_log_period: int = 0
+    # grpo.use_dynamic_sampling: its dynamic_sampling_max_gen_batches (None: off).
+    dynamic_sampling_max_gen_batches: int | None = None
 
 
 StepHook = Callable[["SingleController", dict[str, float]], Awaitable[None]]
@@ -169,6 +173,14 @@ class SingleController:
         self._history_taken = 0  # rows taken and forgotten before history[0]
         # (step index, group) for every group trained by this process: the per-run record.
         self.trained_groups: list[tuple[int, TrainedGroup]] = []
+        self.dynamic_sampling = (
+            None
+            if settings.dynamic_sampling_max_gen_batches is None
+            else DynamicSampling(
+                num_prompts_per_step=settings.num_prompts_per_step,
+                max_gen_batches=settings.dynamic_sampling_max_gen_batches,
+            )
+        )
         self.eviction_watch = EvictionWatch.for_sampler(
             self.sampler,
             groups_per_step=settings.num_prompts_per_step,
@@ -491,14 +503,21 @@ class SingleController:
         groups_wanted = self._groups_for_step(version)
         claimed: list[Slot] = []
         began = False
+        if self.dynamic_sampling is not None:
+            self.dynamic_sampling.begin_step()
         while len(claimed) < groups_wanted:
             await self._evict(version)
             remaining = groups_wanted - len(claimed)
+            min_groups = min(self.settings.min_groups_for_streaming_train, remaining)
             slots, _ = await self.sampler.select(
                 current_train_weight=version,
-                min_prompt_groups=min(self.settings.min_groups_for_streaming_train, remaining),
+                min_prompt_groups=min_groups,
                 max_prompt_groups=remaining,
             )
+            if slots is not None and self.dynamic_sampling is not None:
+                slots = await self._filter_zero_advantage(slots, min_groups=min_groups)
+                if slots is None:
+                    continue  # too few left to train: select again (it waits when it must)
             if slots is None:
                 if self._no_more_groups_can_arrive() or self.stop_requested:
                     await self._roll_back(claimed)
@@ -609,6 +628,33 @@ class SingleController:
             )
             self._acc.groups.append(trained)
             self.trained_groups.append((self.state.step, trained))
+
+    async def _filter_zero_advantage(
+        self, slots: list[Slot], *, min_groups: int
+    ) -> list[Slot] | None:
+        """Dynamic sampling: drop the chunk's zero-advantage groups (``dynamic_sampling``);
+        the rest, or None (their claims rolled back) when fewer than ``min_groups`` remain."""
+        assert self.dynamic_sampling is not None
+        keep, drop = self.dynamic_sampling.split(slots)
+        self._acc.filter_cap_reached = self.dynamic_sampling.cap_reached
+        if drop:
+            dropped_ids = [slot.group_id for slot in drop]
+            # A gated sampler owes the step a fresh group for each: a replacement credit.
+            gated = self.sampler.lookahead_at(self.trainer_version) is not None
+            async with self.barrier.mutation():
+                sample_ids = self.buffer.release_claims(dropped_ids, consumed=True)
+                await self.data_plane.clear(sample_ids)
+                if gated:
+                    for slot in drop:
+                        self.sampler.on_group_filtered(slot)
+                if self.events is not None:
+                    self.events.filtered(dropped_ids)
+            self._acc.filtered_groups += len(drop)
+            self._notify()
+        if len(keep) < min_groups:  # only after a drop: select claimed at least min_groups
+            await self._roll_back(keep)
+            return None
+        return keep
 
     async def _close_step(self, claimed: list[Slot]) -> None:
         """Consume the step's groups and advance the step and trainer version as one unit.

@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from tandemrl.training.advantages import has_zero_advantage
+
 
 @dataclass
 class TrainedGroup:
@@ -36,6 +38,10 @@ class StepAccumulator:
     aborted_groups: int = 0
     dropped_prompts: int = 0
     replaced_prompts: int = 0
+    # Dynamic sampling: zero-advantage groups dropped from this step, and whether the step's
+    # cap on them was reached (zero-advantage groups were then trained).
+    filtered_groups: int = 0
+    filter_cap_reached: bool = False
     groups: list[TrainedGroup] = field(default_factory=list)
 
     def close_step(
@@ -67,6 +73,10 @@ class StepAccumulator:
             "aborted_groups": self.aborted_groups,
             "dropped_prompts": self.dropped_prompts,
             "replaced_prompts": self.replaced_prompts,
+            # Trained groups whose rewards were all equal: no policy-gradient signal.
+            "zero_advantage_groups": sum(has_zero_advantage(g.rewards) for g in self.groups),
+            "dynamic_sampling/filtered_groups": self.filtered_groups,
+            "dynamic_sampling/cap_reached": float(self.filter_cap_reached),
         }
         row.update(env_metric_means(self.groups))
         row.update(extra)

@@ -15,6 +15,9 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import torch
 
 
@@ -47,6 +50,18 @@ def grpo_advantages(
     if normalize:
         advantages = advantages / (std + eps)
     return advantages
+
+
+def has_zero_advantage(rewards: Sequence[float], *, eps: float = 1e-6) -> bool:
+    """True when ``grpo_advantages`` gives every member of the group 0: fewer than two
+    members, or an unbiased standard deviation below ``eps`` (all rewards equal). Such a
+    group carries no policy-gradient signal (DAPO's dynamic sampling drops it)."""
+    count = len(rewards)
+    if count < 2:
+        return True
+    mean = sum(rewards) / count
+    variance = sum((reward - mean) ** 2 for reward in rewards) / (count - 1)
+    return math.sqrt(variance) < eps
 
 
 def grpo_advantages_by_group(

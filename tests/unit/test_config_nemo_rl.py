@@ -266,7 +266,11 @@ def test_megatron_is_one_line(tmp_path, base):
             "folded into the reward",
         ),
         ("policy:\n  generation: {top_k: 50}\n", "policy.generation.top_k", "top-k"),
-        ("grpo:\n  reward_shaping: {enabled: true}\n", "grpo.reward_shaping", "not implemented"),
+        (
+            "grpo:\n  reward_shaping:\n    {enabled: true, alp_coef: 0.1, overlong_buffer_penalty: 1, overlong_buffer_length: 8}\n",
+            "grpo.reward_shaping.alp_coef",
+            "adaptive length penalty",
+        ),
         ("data_plane:\n  backend: mooncake_cpu\n", "data_plane.backend", "mooncake_cpu"),
         (
             "policy:\n  scheduler:\n    - name: torch.optim.lr_scheduler.CosineAnnealingLR\n"

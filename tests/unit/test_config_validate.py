@@ -392,9 +392,6 @@ def test_on_policy_samplers_do_not_need_importance_sampling(sampler):
         ("val_period", "10"),
         ("val_at_start", "true"),
         ("val_at_end", "true"),
-        ("reward_shaping", "{enabled: true}"),
-        ("reward_scaling", "{enabled: true}"),
-        ("use_dynamic_sampling", "true"),
     ],
 )
 def test_unsupported_features_are_refused(base, key, value):
@@ -793,3 +790,48 @@ def test_kl_settings_without_a_kl_penalty_are_refused(override):
     key = override.split("=")[0]
     find(errors(override), key, "reference_policy_kl_penalty")
     assert warnings(override, "loss_fn.reference_policy_kl_penalty=0.01") == []
+
+
+# --------------------------------------------------------------------------- rewards, dynamic sampling
+
+
+def test_dynamic_sampling_is_grpo_only_and_needs_groups():
+    assert warnings("grpo.use_dynamic_sampling=true") == []
+    find(errors("ppo.use_dynamic_sampling=true", base=PPO_BASE), "ppo.use_dynamic_sampling")
+    messages = errors(
+        "grpo.use_dynamic_sampling=true",
+        "grpo.num_generations_per_prompt=1",
+        "policy.train_global_batch_size=4",
+    )
+    find(messages, "grpo.use_dynamic_sampling", "num_generations_per_prompt >= 2")
+    find(errors(custom("BuildableSampler"), "grpo.use_dynamic_sampling=true"), "built-in sampler")
+    find(errors("grpo.dynamic_sampling_max_gen_batches=3"), "use_dynamic_sampling is false")
+
+
+def test_reward_shaping_needs_its_three_lengths_or_the_stop_penalty():
+    shaping = "grpo.reward_shaping={enabled: true, overlong_buffer_length: 4}"
+    messages = errors(shaping)
+    find(messages, "grpo.reward_shaping.overlong_buffer_penalty", "required")
+    find(messages, "grpo.reward_shaping.max_response_length", "required")
+    full = (
+        "grpo.reward_shaping={enabled: true, overlong_buffer_length: 4, "
+        "overlong_buffer_penalty: 1.0, max_response_length: 16}"
+    )
+    assert warnings(full, "policy.generation.max_new_tokens=16") == []
+    assert "never applies" in warnings(full, "policy.generation.max_new_tokens=8")[0]
+    both = (
+        "grpo.reward_shaping={enabled: true, overlong_buffer_length: 4, "
+        "stop_properly_penalty_coef: 0.5}"
+    )
+    find(errors(both), "grpo.reward_shaping.overlong_buffer_length", "exclude each other")
+    too_long = (
+        "grpo.reward_shaping={enabled: true, overlong_buffer_length: 20, "
+        "overlong_buffer_penalty: 1.0, max_response_length: 16}"
+    )
+    find(errors(too_long), "grpo.reward_shaping.overlong_buffer_length", "longer than")
+
+
+def test_reward_scaling_ranges_must_be_increasing():
+    assert warnings("grpo.reward_scaling={enabled: true, target_min: -1.0}") == []
+    messages = errors("grpo.reward_scaling={enabled: true, source_min: 1.0}")
+    find(messages, "grpo.reward_scaling.source_min", "below")
