@@ -490,26 +490,9 @@ class _Checker:
                 "policy.offload_optimizer_for_logprob: must be true on a PPO run — it keeps the "
                 "policy optimizer off the device while the critic runs"
             )
-        if self.sampler.name != "in_order":
-            self.error(
-                f"async_rl.sampler.name: PPO supports only in_order (got {self.sampler.name!r})"
-            )
-        min_groups = cfg.async_rl.min_groups_for_streaming_train
-        if min_groups != ppo.num_prompts_per_step:
-            self.error(
-                "async_rl.min_groups_for_streaming_train: must equal ppo.num_prompts_per_step "
-                f"({ppo.num_prompts_per_step}) on a PPO run (got {min_groups}); the critic "
-                "trains on the whole step, so splitting a step into chunks would multiply the "
-                "optimizer updates — set it to ${ppo.num_prompts_per_step}"
-            )
-        failure = cfg.async_rl.rollout_failure
-        for key in ("max_skipped_prompts", "max_consecutive_dropped_prompts"):
-            value = getattr(failure, key)
-            if value != 0:
-                self.error(
-                    f"async_rl.rollout_failure.{key}: must be 0 on a PPO run (got {value}); a "
-                    "dropped prompt would shorten the step below value.train_global_batch_size"
-                )
+        # Any sampler and any chunking: the critic streams its first epoch over the chunks and
+        # every epoch is one optimizer step normalised by the rows the step holds, so a step
+        # shortened by a drop trains correctly too (tandemrl/controller/ppo_step.py).
         self.errors.extend(
             ppo_epoch_problems(
                 ppo_epochs=ppo.ppo_epochs,

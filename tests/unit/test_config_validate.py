@@ -429,20 +429,23 @@ def test_ppo_needs_optimizer_offload_for_logprob():
         "{name: windowed, max_staleness_versions: 1}",
     ],
 )
-def test_ppo_supports_only_in_order(sampler):
-    messages = errors(f"async_rl.sampler={sampler}", base=PPO_BASE)
-    find(messages, "async_rl.sampler.name", "in_order")
-
-
-def test_ppo_needs_whole_step_batches():
-    messages = errors("async_rl.min_groups_for_streaming_train=2", base=PPO_BASE)
-    find(messages, "async_rl.min_groups_for_streaming_train", "ppo.num_prompts_per_step")
+def test_ppo_streams_under_every_sampler(sampler):
+    overrides = (f"async_rl.sampler={sampler}", "async_rl.min_groups_for_streaming_train=2")
+    assert warnings(*overrides, base=PPO_BASE) == []
 
 
 @pytest.mark.parametrize("key", ["max_skipped_prompts", "max_consecutive_dropped_prompts"])
-def test_ppo_refuses_drop_budgets(key):
-    messages = errors(f"async_rl.rollout_failure.{key}=2", base=PPO_BASE)
-    find(messages, f"async_rl.rollout_failure.{key}", "PPO")
+def test_ppo_accepts_drop_budgets(key):
+    assert warnings(f"async_rl.rollout_failure.{key}=2", base=PPO_BASE) == []
+
+
+def test_ppo_colocated_with_stand_down_still_needs_whole_steps():
+    messages = errors(
+        "policy.generation.colocated.enabled=true",
+        "async_rl.min_groups_for_streaming_train=2",
+        base=PPO_BASE,
+    )
+    find(messages, "async_rl.min_groups_for_streaming_train", "colocated")
 
 
 @pytest.mark.parametrize("key", ["ppo_epochs", "critic_ppo_epochs"])
