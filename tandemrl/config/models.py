@@ -344,6 +344,9 @@ class WindowedSamplerConfig(Strict):
     name: Literal["windowed"]
     max_staleness_versions: int = Field(1, ge=0)
     sample_freshest_first: bool = False
+    # Cap dispatch at ceil(ratio x num_prompts_per_step) groups beyond what the window can
+    # still train (tandemrl/samplers/windowed.py); None: ungated, the buffer is the only cap.
+    over_sampling_ratio: float | None = Field(None, ge=0.0)
 
 
 class CustomSamplerConfig(BaseModel):
@@ -413,6 +416,14 @@ class AsyncRLConfig(Strict):
     # Backpressure cap on prompt groups being generated at once.
     max_inflight_prompts: int = Field(32, ge=1)
     recompute_kv_cache_after_weight_updates: bool = False
+    # True: a weight sync reaches generation while requests are in flight (they finish on the
+    # new weights). False: the drain gate — before each sync, admit nothing, let the requests
+    # in flight finish on the old weights, sync, reopen; every completion then comes from
+    # one weight version.
+    in_flight_weight_updates: bool = True
+    # Drain gate only: the longest wait for in-flight requests; the ones still generating
+    # then are aborted and generated again on the new weights (0: abort at once).
+    drain_timeout_s: float = Field(60.0, ge=0.0)
     rollout_failure: RolloutFailureConfig = RolloutFailureConfig()
     stall_watchdog: StallWatchdogConfig = StallWatchdogConfig()
 
@@ -584,7 +595,8 @@ class MasterConfig(Strict):
         ``min_groups_for_streaming_train`` = num_prompts_per_step (whole-step batches);
         ``max_buffered_rollouts`` and ``max_inflight_prompts`` = num_prompts_per_step x
         (lookahead + 1), never below the sampler's required capacity (a custom sampler:
-        2 x and 1 x num_prompts_per_step); ``loss_fn.use_importance_sampling_correction`` =
+        2 x and 1 x num_prompts_per_step; windowed with ``over_sampling_ratio``: its dispatch
+        cap, so that the cap is what limits dispatch); ``loss_fn.use_importance_sampling_correction`` =
         whether the sampler admits off-policy data. A minimal config is then valid, and means
         the same whichever of these it spells out.
         """
@@ -607,6 +619,9 @@ class MasterConfig(Strict):
             if widest is None:  # windowed: ungated, its window is max_staleness_versions
                 widest = sampler.max_staleness_versions
             window = n * (widest + 1)
+            limit = getattr(built, "dispatch_limit", lambda: None)()
+            if limit is not None:  # windowed with over_sampling_ratio: room for the cap
+                window = limit
             buffered = max(window, built.required_buffer_capacity(n))
             inflight = window
             off_policy = built.off_policy_reason() is not None

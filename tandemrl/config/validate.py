@@ -62,6 +62,7 @@ class _Checker:
         if algo_name is not None:
             self.check_algorithm(algo_name)
         self.check_failure_budgets()
+        self.check_drain_gate()
         self.check_checkpointing()
         self.check_rollout_checkpointing()
         self.check_rollout_recovery()
@@ -218,6 +219,7 @@ class _Checker:
         self.check_streaming(algo)
         self.check_buffer_and_inflight(algo)
         self.check_importance_sampling(algo)
+        self.check_over_sampling(algo)
         self.check_loss()
         if algo == "ppo":
             self.check_ppo()
@@ -521,6 +523,26 @@ class _Checker:
             )
 
     # ------------------------------------------------------------------ failure budgets
+
+    def check_over_sampling(self, algo: str) -> None:
+        builtin = self.builtin_sampler(algo)
+        limit = getattr(builtin, "dispatch_limit", lambda: None)()
+        buffered = self.cfg.async_rl.max_buffered_rollouts
+        if limit is not None and buffered < limit:
+            self.warn(
+                f"async_rl.sampler.over_sampling_ratio: dispatch is capped at {limit} in-window "
+                f"groups, but async_rl.max_buffered_rollouts ({buffered}) holds fewer, so the "
+                f"buffer caps it first; raise max_buffered_rollouts to {limit} or lower the ratio"
+            )
+
+    def check_drain_gate(self) -> None:
+        async_rl = self.cfg.async_rl
+        default = type(async_rl).model_fields["drain_timeout_s"].default
+        if async_rl.in_flight_weight_updates and async_rl.drain_timeout_s != default:
+            self.error(
+                f"async_rl.drain_timeout_s: {async_rl.drain_timeout_s} applies only to the "
+                "drain gate; set async_rl.in_flight_weight_updates: false or remove it"
+            )
 
     def check_failure_budgets(self) -> None:
         failure = self.cfg.async_rl.rollout_failure

@@ -115,6 +115,9 @@ def controller_settings(cfg: MasterConfig) -> ControllerSettings:
         dynamic_sampling_max_gen_batches=(
             algo.dynamic_sampling_max_gen_batches if algo.use_dynamic_sampling else None
         ),
+        drain_timeout_s=(
+            None if cfg.async_rl.in_flight_weight_updates else cfg.async_rl.drain_timeout_s
+        ),
     )
 
 

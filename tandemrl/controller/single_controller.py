@@ -12,7 +12,8 @@ Train pump, per RL step:
     num_prompts_per_step groups) → [dynamic sampling: drop zero-advantage groups, select
     again] → advantage stage → policy begin_train_step /
     train_microbatches per chunk / finish_train_step → clear the step's rows →
-    trainer_version += 1 → weight sync (rollout permission closed meanwhile)
+    trainer_version += 1 → weight sync (rollout permission closed meanwhile; with the drain
+    gate, in-flight groups finish on the old weights first, or are generated again after it)
 
 Both pumps share one ``asyncio`` loop; nothing here blocks it. A crash in either pump ends
 the run with the original exception; in-flight rollouts are cancelled on exit (they stay in
@@ -65,6 +66,9 @@ log = logging.getLogger(__name__)
 # Container allocations between two young garbage collections while a run is on (Python's
 # default is 700); see ``run``.
 GC_YOUNG_THRESHOLD = 10_000
+# Drain gate: past its deadline, how often the groups still scoring or committing are polled
+# (they are not cancelled; one that starts another generation round then is).
+DRAIN_POLL_S = 0.05
 
 
 class StepShrunkTooFar(RuntimeError):
@@ -87,6 +91,8 @@ class ControllerSettings:
     sample_log_period: int = 0
     # grpo.use_dynamic_sampling: its dynamic_sampling_max_gen_batches (None: off).
     dynamic_sampling_max_gen_batches: int | None = None
+    # async_rl.in_flight_weight_updates false: the drain gate, with drain_timeout_s.
+    drain_timeout_s: float | None = None
 
 
 StepHook = Callable[["SingleController", dict[str, float]], Awaitable[None]]
@@ -150,6 +156,10 @@ class SingleController:
         self.inflight_started_at: dict[str, float] = {}
         self._inflight: dict[str, asyncio.Task[None]] = {}
         self._abort_requested: set[str] = set()
+        # Drain gate: groups cancelled mid-generation at the drain deadline, and those of them
+        # waiting to be generated again once the new weights are in.
+        self._redispatch_requested: set[str] = set()
+        self._redispatch_after_sync: list[UnfinishedGroup] = []
         self._rollout_permission = asyncio.Event()
         # The staleness gate reads the version when it decides (made once, not per admission).
         self._trainer_version_fn = lambda: self.trainer_version
@@ -421,6 +431,9 @@ class SingleController:
                     await self.rollout_manager.drop_aborted(group)
                     self._acc.aborted_groups += 1
                     self._log_dropped(group)
+                elif group.group_id in self._redispatch_requested and not self._stopping:
+                    # Slot and ledger entry stay: generated again after the sync.
+                    self._redispatch_after_sync.append(group)
                 else:
                     raise
         except Exception as exc:
@@ -431,6 +444,7 @@ class SingleController:
             self._inflight.pop(group.group_id, None)
             self.inflight_started_at.pop(group.group_id, None)
             self._abort_requested.discard(group.group_id)
+            self._redispatch_requested.discard(group.group_id)
             self._notify()
 
     def _log_dropped(self, group: UnfinishedGroup) -> None:
@@ -681,18 +695,76 @@ class SingleController:
             self._notify()
 
     async def _sync_weights(self, refit: bool) -> float:
-        """Push the new weights to generation (permission was closed by ``_close_step``)."""
+        """Push the new weights to generation (permission was closed by ``_close_step``).
+
+        With the drain gate (``async_rl.in_flight_weight_updates: false``) the requests in
+        flight finish on the old weights first (``_drain_inflight``); a standing-down engine
+        wakes for that. Groups cut off at the drain deadline are generated again afterwards.
+        """
         try:
             seconds = 0.0
+            awake = not self.settings.stands_down
+            if refit and self.settings.drain_timeout_s is not None:
+                if not awake:
+                    await self.generation.wake()
+                    awake = True
+                await self._drain_inflight(self.settings.drain_timeout_s)
             if refit:
                 seconds = await self.weight_sync.sync(self.trainer_version)
             await self._abort_stale_inflight()
-            if self.settings.stands_down:
+            await self._redispatch_drained()
+            if not awake:
                 await self.generation.wake()
         finally:
             self._rollout_permission.set()
             self._notify()
         return seconds
+
+    async def _drain_inflight(self, timeout_s: float) -> None:
+        """The drain gate: nothing is admitted (permission is closed); wait up to
+        ``timeout_s`` for the groups in flight, then cancel the ones still generating (their
+        requests aborted on the engines) for ``_redispatch_drained``. Groups past generation
+        (scoring, committing) are waited for: they never touch the weights again."""
+        if not self._inflight:
+            return
+        started = time.monotonic()
+        self.waiting_on["train"] = f"drain gate: {len(self._inflight)} group(s) in flight"
+        await asyncio.wait(list(self._inflight.values()), timeout=timeout_s)
+        while self._inflight:
+            generating = [
+                group_id
+                for group_id in self._inflight
+                if group_id in self.rollout_manager.active_requests
+                and group_id not in self._redispatch_requested
+            ]
+            request_ids = [
+                request.request_id
+                for group_id in generating
+                for request in self.rollout_manager.active_requests[group_id]
+            ]
+            for group_id in generating:
+                self._redispatch_requested.add(group_id)
+                self._inflight[group_id].cancel()
+            if request_ids:
+                await self.generation.abort(request_ids)
+            await asyncio.wait(list(self._inflight.values()), timeout=DRAIN_POLL_S)
+        self._acc.drain_s += time.monotonic() - started
+
+    async def _redispatch_drained(self) -> None:
+        """Generate the groups the drain cut off again, on the new weights (or drop the ones
+        the sampler says can never be trained, as ``_abort_stale_inflight`` would)."""
+        groups, self._redispatch_after_sync = self._redispatch_after_sync, []
+        for group in groups:
+            slot = self.buffer.slot(group.group_id)
+            if self.sampler.should_abort_inflight(
+                start_weight=slot.start_weight, current_train_weight=self.trainer_version
+            ):
+                await self.rollout_manager.drop_aborted(group)
+                self._acc.aborted_groups += 1
+                self._log_dropped(group)
+                continue
+            self._launch(group)
+            self._acc.redispatched_groups += 1
 
     async def _abort_stale_inflight(self) -> None:
         """Windowed sampler: in-flight groups that can never be trained are aborted."""

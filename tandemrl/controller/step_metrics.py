@@ -42,6 +42,10 @@ class StepAccumulator:
     # cap on them was reached (zero-advantage groups were then trained).
     filtered_groups: int = 0
     filter_cap_reached: bool = False
+    # Drain gate: seconds the weight sync waited for in-flight groups, and groups cut off at
+    # its deadline and generated again on the new weights.
+    drain_s: float = 0.0
+    redispatched_groups: int = 0
     groups: list[TrainedGroup] = field(default_factory=list)
 
     def close_step(
@@ -77,6 +81,8 @@ class StepAccumulator:
             "zero_advantage_groups": sum(has_zero_advantage(g.rewards) for g in self.groups),
             "dynamic_sampling/filtered_groups": self.filtered_groups,
             "dynamic_sampling/cap_reached": float(self.filter_cap_reached),
+            "drain/drain_s": self.drain_s,
+            "drain/redispatched_groups": self.redispatched_groups,
         }
         row.update(env_metric_means(self.groups))
         row.update(extra)

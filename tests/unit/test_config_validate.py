@@ -838,3 +838,26 @@ def test_reward_scaling_ranges_must_be_increasing():
     assert warnings("grpo.reward_scaling={enabled: true, target_min: -1.0}") == []
     messages = errors("grpo.reward_scaling={enabled: true, source_min: 1.0}")
     find(messages, "grpo.reward_scaling.source_min", "below")
+
+
+# --------------------------------------------------------------------------- over-sampling, drain gate
+
+
+def test_over_sampling_ratio_sizes_the_defaults_and_warns_when_the_buffer_caps_first():
+    windowed = "{name: windowed, max_staleness_versions: 1, over_sampling_ratio: 0.5}"
+    raw = copy.deepcopy(GRPO_BASE)
+    del raw["async_rl"]["max_buffered_rollouts"], raw["async_rl"]["max_inflight_prompts"]
+    apply_overrides(raw, (f"async_rl.sampler={windowed}",))
+    cfg = config_from_dict(resolve_references(raw))
+    # (1 + 1) x 4 + ceil(0.5 x 4) = 10
+    assert (cfg.async_rl.max_buffered_rollouts, cfg.async_rl.max_inflight_prompts) == (10, 10)
+    assert validate_single_controller_config(cfg) == []
+    found = warnings(f"async_rl.sampler={windowed}", "async_rl.max_buffered_rollouts=8")
+    assert len(found) == 1 and "async_rl.sampler.over_sampling_ratio" in found[0]
+    with pytest.raises(ValueError, match="over_sampling_ratio"):
+        make("async_rl.sampler={name: windowed, over_sampling_ratio: -1}")
+
+
+def test_drain_timeout_only_with_the_drain_gate():
+    find(errors("async_rl.drain_timeout_s=5"), "async_rl.drain_timeout_s", "drain gate")
+    assert warnings("async_rl.in_flight_weight_updates=false", "async_rl.drain_timeout_s=5") == []
