@@ -664,6 +664,9 @@ class SingleController:
                 if self.events is not None:
                     self.events.filtered(dropped_ids)
             self._acc.filtered_groups += len(drop)
+            self._acc.filtered_rewards.extend(
+                meta.reward for slot in drop for meta in slot.rows_meta
+            )
             self._notify()
         if len(keep) < min_groups:  # only after a drop: select claimed at least min_groups
             await self._roll_back(keep)
