@@ -382,12 +382,23 @@ def test_cuda_bf16_fused_offload_and_checkpoint(model_dir: Path, tmp_path: Path)
     assert all(t.device.type == "cpu" for t in weights.values())
 
 
-def test_reference_policy_stays_frozen_at_the_initial_weights(model_dir: Path, tmp_path) -> None:
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+        ),
+    ],
+)
+def test_reference_policy_stays_frozen_at_the_initial_weights(
+    model_dir: Path, tmp_path, device: str
+) -> None:
     """With a KL penalty the worker keeps the initial weights as the reference: its logprobs
     equal the policy's before training, stay put while the policy moves, and survive a
     checkpoint reload of the policy; the step reports the KL to it."""
     loss_cfg = LossConfig(reference_policy_kl_penalty=0.05)
-    worker = make_worker(model_dir, loss_cfg=loss_cfg)
+    worker = make_worker(model_dir, loss_cfg=loss_cfg, device=device)
     batch = make_batch(worker)
 
     async def run() -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
@@ -411,4 +422,4 @@ def test_reference_policy_stays_frozen_at_the_initial_weights(model_dir: Path, t
     assert metrics["kl_reference"] > 0
     assert not any(p.requires_grad for p in worker.reference_model.parameters())
     with pytest.raises(ValueError, match="reference_policy_kl_penalty"):
-        asyncio.run(make_worker(model_dir).get_reference_logprobs(batch))
+        asyncio.run(make_worker(model_dir, device=device).get_reference_logprobs(batch))
