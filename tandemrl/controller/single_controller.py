@@ -750,7 +750,8 @@ class SingleController:
                 self._inflight[group_id].cancel()
             if request_ids:
                 await self.generation.abort(request_ids)
-            await asyncio.wait(list(self._inflight.values()), timeout=DRAIN_POLL_S)
+            if self._inflight:  # the cancelled ones may have ended during the abort
+                await asyncio.wait(list(self._inflight.values()), timeout=DRAIN_POLL_S)
         self._acc.drain_s += time.monotonic() - started
 
     async def _redispatch_drained(self) -> None:
