@@ -80,7 +80,8 @@ def test_a_chunked_ppo_step_updates_both_models_as_the_whole_step(tiny_model_dir
         policy, critic = _workers(tiny_model_dir, cfg)
         runner = PPOStepRunner.from_config(cfg, policy, critic, pad_token_id=0)
         metrics = _step(runner, chunks, rows, step_num_sequences=8)
-        results.append((metrics, _params(policy.model), _params(critic.backbone)))
+        critic_params = _params(critic.backbone) + _params(critic.head)
+        results.append((metrics, _params(policy.model), critic_params))
     (whole, whole_policy, whole_critic), (chunked, chunked_policy, chunked_critic) = results
     assert chunked["num_chunks"] == 3.0 and whole["num_chunks"] == 1.0
     for a, b in zip(whole_policy + whole_critic, chunked_policy + chunked_critic, strict=True):
