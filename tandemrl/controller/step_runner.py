@@ -48,7 +48,7 @@ class StepRunner(Protocol):
 def collate_step_rows(slots: list[Slot], rows: StepRows, *, pad_token_id: int) -> TrainBatch:
     """Collate the groups' rows in slot order and stamp each row's version fields."""
     batch = collate_rows([rows[sid] for slot in slots for sid in slot.sample_ids], pad_token_id)
-    rows_per_slot = torch.tensor([len(slot.rows_meta) for slot in slots])
+    rows_per_slot = torch.tensor([len(slot.sample_ids) for slot in slots])
     batch["start_weight"] = torch.tensor([slot.start_weight for slot in slots]).repeat_interleave(
         rows_per_slot
     )
