@@ -25,6 +25,7 @@ from tandemrl.config.redact import REDACTED, redact_value
 __all__ = [
     "BUILTIN_EXCLUDED_PATHS",
     "REDACTED",
+    "TEACHER_SET_PREFIX",
     "compatibility_identity",
     "diff_identities",
     "fingerprint_digest",
@@ -50,7 +51,21 @@ BUILTIN_EXCLUDED_PATHS: tuple[str, ...] = (
     "policy.device",
     "policy.generation.colocated.mps",
     "env.python_path",  # where env.target is imported from, not what it computes
+    # Distillation: where and how fast teachers score, not what (the teacher set itself, its
+    # models, precision and routes, stays in the identity).
+    "on_policy_distillation.max_num_steps",
+    "on_policy_distillation.teacher_scoring",
+    "on_policy_distillation.teachers.*.num_workers",
+    "on_policy_distillation.teachers.*.micro_batch_size",
+    "on_policy_distillation.teachers.*.device",
+    "on_policy_distillation.teachers.*.gpus_per_worker",
+    "on_policy_distillation.teachers.*.colocated_with_trainer",
 )
+
+# The dotpaths of the distillation teacher set: a restart whose teachers differ from the
+# checkpoint's is refused even from a trainer checkpoint (its rows hold the old teachers'
+# logprobs and teacher indices).
+TEACHER_SET_PREFIX = "on_policy_distillation.teachers"
 
 
 def _segments(pattern: str) -> list[str]:

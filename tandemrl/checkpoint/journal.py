@@ -7,7 +7,8 @@ which the reader drops):
   committed groups and staged siblings its restore brought back.
 - ``staged``: siblings of a group finished (generated and scored), before the group commits.
 - ``generated``: a group committed; which siblings were generated fresh in this attempt and
-  which were reused from token-capture staging.
+  which were reused from token-capture staging (on-policy distillation: and how many teacher
+  passes this attempt ran for it).
 - ``trained``: a step closed; the groups it trained.
 
 ``RunJournal`` implements the pumps' ``OwnershipEvents`` (``tandemrl.rollout.events``): it
@@ -62,7 +63,17 @@ class RunJournal:
     async def committed(
         self, group: UnfinishedGroup, slot: Slot, *, end_weight: int, fresh_siblings: list[int]
     ) -> None:
-        self.record("generated", group_id=group.group_id, fresh_siblings=fresh_siblings)
+        if group.teacher_logprobs is None:
+            self.record("generated", group_id=group.group_id, fresh_siblings=fresh_siblings)
+            return
+        # On-policy distillation: how many teacher passes this attempt ran for the group (0:
+        # its teacher logprobs came back from a checkpoint with its staged siblings).
+        self.record(
+            "generated",
+            group_id=group.group_id,
+            fresh_siblings=fresh_siblings,
+            teacher_passes=group.teacher_passes,
+        )
 
     def dropped(self, group: UnfinishedGroup) -> None:
         pass

@@ -8,7 +8,8 @@ Selection (``plan_restore``) never writes or deletes anything:
   the bootstrap anchor when no trainer checkpoint exists) the newest committed snapshot whose
   files verify and whose config fingerprint matches is used for the rollout state; otherwise
   the trainer checkpoint's own rollout state. Bootstrap state written under a different
-  config is refused, listing each changed dotpath.
+  config is refused, listing each changed dotpath; so is a trainer checkpoint whose
+  distillation teacher set (``on_policy_distillation.teachers``) differs from the config's.
 - ``restore_mode: trainer_checkpoint``: the trainer checkpoint bundle only; newer periodic
   snapshots are ignored. With bootstrap state but no trainer checkpoint it refuses, because a
   bootstrap snapshot has no model or optimizer state to resume.
@@ -31,6 +32,7 @@ from typing import Any
 
 from tandemrl.checkpoint.commit_replay import ReplayedRows, apply_replay, replay_for
 from tandemrl.checkpoint.fingerprint import (
+    TEACHER_SET_PREFIX,
     compatibility_identity,
     diff_identities,
     fingerprint_digest,
@@ -95,6 +97,19 @@ def _fingerprint_problem(manifest: dict[str, Any], identity: dict[str, Any] | No
     )
 
 
+def _teacher_set_problem(manifest: dict[str, Any], identity: dict[str, Any] | None) -> str | None:
+    """The changed teacher-set dotpaths between a bundle's config and ``identity`` (None: the
+    same teachers, or no config to compare)."""
+    if identity is None:
+        return None
+
+    def teachers(values: dict[str, Any]) -> dict[str, Any]:
+        return {path: value for path, value in values.items() if path.startswith(TEACHER_SET_PREFIX)}
+
+    changed = diff_identities(teachers(manifest.get("identity", {})), teachers(identity))
+    return "; ".join(changed) if changed else None
+
+
 def _newest_valid_snapshot(
     anchor: Path, identity: dict[str, Any] | None, plan: RestorePlan
 ) -> Path | None:
@@ -157,6 +172,14 @@ def plan_restore_dir(
             log.warning("skipping damaged trainer checkpoint %s: %s", path, exc)
             plan.considered.append(Candidate(path, "trainer", False, f"corrupt: {exc}"))
             continue
+        teachers_changed = _teacher_set_problem(_read_manifest(path), identity)
+        if teachers_changed is not None:
+            raise RestoreRefused(
+                f"{path} was trained with other distillation teachers than this config names "
+                f"({teachers_changed}); its buffered rows hold those teachers' logprobs. Restart "
+                "with the original on_policy_distillation.teachers, or choose a new "
+                "checkpointing.checkpoint_dir. Nothing was modified."
+            )
         plan.trainer_dir = path
         plan.rollout_dir = path
         plan.step = step
@@ -208,6 +231,15 @@ def plan_restore_dir(
         )
         plan.rollout_dir = _newest_valid_snapshot(bootstrap, identity, plan)
     return plan
+
+
+def _read_manifest(bundle: Path) -> dict[str, Any]:
+    """A verified bundle's manifest (an unreadable one reads as empty: nothing to compare)."""
+    try:
+        manifest = json.loads((bundle / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return {}
+    return manifest if isinstance(manifest, dict) else {}
 
 
 # async (trainer_version) -> seconds: push the trainer's weights to generation.
