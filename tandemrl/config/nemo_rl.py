@@ -914,19 +914,19 @@ def _top_level(tx: _Translator) -> None:
         tx.inert(
             "on_policy_distillation",
             _null,
-            "NeMo-RL's on-policy distillation block (beside grpo:)",
+            "NeMo-RL's on-policy distillation block (adv_estimator opd beside grpo:)",
             "write TandemRL's on_policy_distillation: block in place of grpo: (its teachers, "
             "kl_coef, reward_coef: docs/distillation.md) and set the NeMo-RL one to null",
         )
 
 
 def _is_tandemrl_distillation(tree: dict[str, Any]) -> bool:
-    """An ``on_policy_distillation`` block in TandemRL's shape: no grpo:/ppo: block beside it
-    and a list of teachers (each a mapping), so it passes through untouched."""
+    """An ``on_policy_distillation`` block in TandemRL's shape (a list of teachers, each a
+    mapping), which passes through untouched; validation judges it with the other blocks."""
     block = tree.get("on_policy_distillation")
-    if not isinstance(block, dict) or any(isinstance(tree.get(key), dict) for key in ("grpo", "ppo")):
+    if not isinstance(block, dict):
         return False
-    teachers = block.get("teachers", [])
+    teachers = block.get("teachers")
     return isinstance(teachers, list) and all(isinstance(entry, dict) for entry in teachers)
 
 
