@@ -104,7 +104,9 @@ def _teacher_set_problem(manifest: dict[str, Any], identity: dict[str, Any] | No
         return None
 
     def teachers(values: dict[str, Any]) -> dict[str, Any]:
-        return {path: value for path, value in values.items() if path.startswith(TEACHER_SET_PREFIX)}
+        return {
+            path: value for path, value in values.items() if path.startswith(TEACHER_SET_PREFIX)
+        }
 
     changed = diff_identities(teachers(manifest.get("identity", {})), teachers(identity))
     return "; ".join(changed) if changed else None

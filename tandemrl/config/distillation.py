@@ -81,11 +81,11 @@ def distillation_problems(cfg: MasterConfig) -> list[str]:
     problems += _route_problems(block)
     dataset = cfg.data.dataset
     routes = TeacherRoutes.from_config(block)
-    if teachers and (dataset is None or dataset.startswith("builtin://")):
-        if routes.route(None, None) is None:
-            problems.append(
-                unrouted_row_message(None, None, f"every row of {dataset or 'the counting task'}")
-            )
+    builtin = dataset is None or dataset.startswith("builtin://")
+    if teachers and builtin and routes.route(None, None) is None:
+        problems.append(
+            unrouted_row_message(None, None, f"every row of {dataset or 'the counting task'}")
+        )
     problems += _device_problems(cfg)
     problems += _preset_tokenizer_problems(cfg)
     if block.kl_coef == 0 and block.reward_coef == 0:

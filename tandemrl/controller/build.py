@@ -22,9 +22,9 @@ from tandemrl.checkpoint.journal import RunJournal
 from tandemrl.checkpoint.layout import JOURNAL, POLICY_DIR, VALUE_DIR
 from tandemrl.checkpoint.writer import CheckpointedModel, CheckpointWriter
 from tandemrl.codec import TextCodec
+from tandemrl.config.distillation import TeacherRoutes, teacher_name
 from tandemrl.config.errors import ConfigError
 from tandemrl.config.models import MasterConfig
-from tandemrl.config.distillation import TeacherRoutes, teacher_name
 from tandemrl.controller.distill_step import DistillationStepRunner
 from tandemrl.controller.ppo_step import PPOStepRunner
 from tandemrl.controller.single_controller import (

@@ -120,7 +120,10 @@ class DistillationStepRunner:
             requests = []
             for meta in slot.rows_meta:
                 row = input_ids[group_index * self.group_size + meta.sibling_index]
-                start, end = meta.num_prompt_tokens, meta.num_prompt_tokens + meta.num_completion_tokens
+                start, end = (
+                    meta.num_prompt_tokens,
+                    meta.num_prompt_tokens + meta.num_completion_tokens,
+                )
                 requests.append(
                     TeacherRequest(meta.sample_id, row[:start].tolist(), row[start:end].tolist())
                 )

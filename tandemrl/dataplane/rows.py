@@ -176,7 +176,8 @@ def make_group_block(
     }
     if teacher_logprobs is not None:
         per_token[TEACHER_LOGPROBS] = _flat_buffer(
-            "f", _padded_completion_values(num_prompt, longest, completion_lengths, teacher_logprobs)
+            "f",
+            _padded_completion_values(num_prompt, longest, completion_lengths, teacher_logprobs),
         )
     per_row = {
         "reward": _flat_buffer("f", rewards),

@@ -64,7 +64,9 @@ class TeacherWorker:
         with torch.no_grad():
             for start in range(0, len(order), self.micro_batch_size):
                 chunk = order[start : start + self.micro_batch_size]
-                for index, values in zip(chunk, self._score_micro([requests[i] for i in chunk])):
+                for index, values in zip(
+                    chunk, self._score_micro([requests[i] for i in chunk]), strict=True
+                ):
                     scored[index] = values
         self.sequences_scored += len(requests)
         return scored

@@ -135,7 +135,7 @@ def test_a_prompt_without_a_teacher_is_dropped_as_a_data_failure():
         for i in range(16)
     ]
     loader = PromptDataLoader(records, max_num_epochs=1, seed=0, shuffle=False)
-    controller, history, _ = run(cfg, [[FakeTeacher()]], dataloader=loader)
+    controller, _, _ = run(cfg, [[FakeTeacher()]], dataloader=loader)
     dropped = controller.run_state.budgets.dropped
     assert {record.prompt_id for record in dropped} == {"e0-i0", "e0-i4", "e0-i8", "e0-i12"}
     assert all("has no teacher" in record.cause for record in dropped)
