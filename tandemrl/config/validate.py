@@ -209,7 +209,7 @@ class _Checker:
             return None
         if not present:
             self.error(
-                "grpo, ppo, on_policy_distillation: no algorithm block is present; add grpo: "
+                "grpo, ppo, on_policy_distillation: neither algorithm block is present; add grpo: "
                 "(GRPO), ppo: (PPO) or on_policy_distillation: (docs/distillation.md)"
             )
             return None
