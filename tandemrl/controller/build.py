@@ -131,7 +131,9 @@ def make_teacher_scorer(
             f"workers for {given} were given (ControllerParts.teacher_engines)"
         )
     pools = [
-        TeacherPool(teacher_name(teacher, index), engines)
+        TeacherPool(
+            teacher_name(teacher, index), engines, max_batch_sequences=teacher.micro_batch_size
+        )
         for index, (teacher, engines) in enumerate(
             zip(distill.teachers, teacher_engines, strict=True)
         )

@@ -9,8 +9,10 @@
   the trainer's own logprob pass (``controller/distill_step.py``).
 
 Each teacher has a ``TeacherPool`` of workers (``tandemrl.training.teacher_worker``, Ray
-actors in a run). A call goes to the live worker with the fewest outstanding sequences. A
-worker whose process died leaves the rotation and the call fails with ``TeacherWorkerDied``,
+actors in a run). A worker scores one batch at a time; calls that wait for a free worker are
+sent together, up to the teacher's ``micro_batch_size`` sequences (batches grow with the
+load). A worker whose process died leaves the rotation and its batch's calls fail with
+``TeacherWorkerDied``,
 an infrastructure failure: the rollout manager retries it with backoff on the next live
 worker, exactly as it retries a dead generation worker's requests, and drops the group once
 ``max_infra_retries`` ran out. When a teacher has no live worker left, ``NoTeacherWorkers``
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,66 +52,124 @@ class TeacherWorkerDied(InfraFailure):
 class _Worker:
     index: int
     engine: Any  # a TeacherWorker, or an async proxy of its Ray actor
-    outstanding: int = 0
+    busy: bool = False
     alive: bool = True
 
 
-class TeacherPool:
-    """The workers of one teacher."""
+@dataclass
+class _Call:
+    requests: list[TeacherRequest]
+    answer: asyncio.Future[list[list[float]]]
 
-    def __init__(self, name: str, engines: Sequence[Any]) -> None:
+
+class TeacherPool:
+    """The workers of one teacher, and the calls waiting for them.
+
+    Batching: a worker scores one batch at a time; calls that arrive while every worker is
+    busy wait, and the next free worker takes as many of them as fit in
+    ``max_batch_sequences`` (at least one call) as one batch. Under load the batches grow
+    toward a full micro-batch; a lone call goes at once.
+    """
+
+    def __init__(
+        self, name: str, engines: Sequence[Any], *, max_batch_sequences: int | None = None
+    ) -> None:
         if not engines:
             raise ValueError(f"teacher {name!r} needs at least one worker")
         self.name = name
+        self.max_batch_sequences = max_batch_sequences
         self._workers = [_Worker(index, engine) for index, engine in enumerate(engines)]
+        self._waiting: deque[_Call] = deque()
+        self._batches: set[asyncio.Task[None]] = set()
         self.dead_workers: list[int] = []
-        self.calls = 0
+        self.calls = 0  # batches sent to the workers
         self.sequences = 0
 
     @property
     def num_alive(self) -> int:
         return sum(worker.alive for worker in self._workers)
 
-    def _pick(self) -> _Worker:
-        best = None
-        for worker in self._workers:
-            if worker.alive and (best is None or worker.outstanding < best.outstanding):
-                best = worker
-        if best is None:
-            raise NoTeacherWorkers(
-                f"all {len(self._workers)} worker(s) of teacher {self.name!r} died (workers "
-                f"{self.dead_workers}); check the worker logs, then resume from the last "
-                "checkpoint"
-            )
-        return best
+    def _no_workers(self) -> NoTeacherWorkers:
+        return NoTeacherWorkers(
+            f"all {len(self._workers)} worker(s) of teacher {self.name!r} died (workers "
+            f"{self.dead_workers}); check the worker logs, then resume from the last checkpoint"
+        )
 
     async def score(self, requests: list[TeacherRequest]) -> list[list[float]]:
-        worker = self._pick()
-        worker.outstanding += len(requests)
+        if self.num_alive == 0:
+            raise self._no_workers()
+        call = _Call(requests, asyncio.get_running_loop().create_future())
+        self._waiting.append(call)
+        self._dispatch()
+        return await call.answer
+
+    def _dispatch(self) -> None:
+        """Hand waiting calls to free workers, as large batches as fit."""
+        while self._waiting:
+            if self.num_alive == 0:
+                failure = self._no_workers()
+                while self._waiting:
+                    call = self._waiting.popleft()
+                    if not call.answer.done():
+                        call.answer.set_exception(failure)
+                return
+            worker = next((w for w in self._workers if w.alive and not w.busy), None)
+            if worker is None:
+                return
+            batch = [self._waiting.popleft()]
+            size = len(batch[0].requests)
+            cap = self.max_batch_sequences
+            while self._waiting and (cap is None or size + len(self._waiting[0].requests) <= cap):
+                call = self._waiting.popleft()
+                batch.append(call)
+                size += len(call.requests)
+            batch = [call for call in batch if not call.answer.done()]  # callers that gave up
+            if not batch:
+                continue
+            worker.busy = True
+            task = asyncio.get_running_loop().create_task(self._run(worker, batch))
+            self._batches.add(task)
+            task.add_done_callback(self._batches.discard)
+
+    async def _run(self, worker: _Worker, batch: list[_Call]) -> None:
+        requests = [request for call in batch for request in call.requests]
         try:
             scored: list[list[float]] = await worker.engine.score(requests)
+            _check_answer(self.name, requests, scored)
         except Exception as exc:
+            failure: BaseException = exc
             if is_worker_death(exc):
-                if worker.alive:
-                    worker.alive = False
-                    self.dead_workers.append(worker.index)
-                    log.error(
-                        "worker %d of teacher %r died: %s; %d worker(s) left",
-                        worker.index,
-                        self.name,
-                        exc,
-                        self.num_alive,
-                    )
-                raise TeacherWorkerDied(
+                self._mark_dead(worker, exc)
+                failure = TeacherWorkerDied(
                     f"worker {worker.index} of teacher {self.name!r} died: {exc}"
-                ) from exc
-            raise
+                )
+                failure.__cause__ = exc
+            for call in batch:
+                if not call.answer.done():
+                    call.answer.set_exception(failure)
+        else:
+            self.calls += 1
+            self.sequences += len(requests)
+            values = iter(scored)
+            for call in batch:
+                answer = [next(values) for _ in call.requests]
+                if not call.answer.done():
+                    call.answer.set_result(answer)
         finally:
-            worker.outstanding -= len(requests)
-        self.calls += 1
-        self.sequences += len(requests)
-        _check_answer(self.name, requests, scored)
-        return scored
+            worker.busy = False
+            self._dispatch()
+
+    def _mark_dead(self, worker: _Worker, exc: BaseException) -> None:
+        if worker.alive:
+            worker.alive = False
+            self.dead_workers.append(worker.index)
+            log.error(
+                "worker %d of teacher %r died: %s; %d worker(s) left",
+                worker.index,
+                self.name,
+                exc,
+                self.num_alive,
+            )
 
 
 def _check_answer(name: str, requests: list[TeacherRequest], scored: list[list[float]]) -> None:

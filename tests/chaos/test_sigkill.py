@@ -91,7 +91,9 @@ def test_sigkill_of_a_distillation_run_scores_no_committed_group_twice(tmp_path)
     # ... and no teacher scored any committed group a second time
     assert proof["teacher_passes_redone"] == [], proof
     assert proof["trained_without_teacher_pass"] == [], proof
-    rows = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [row["step"] for row in rows] == list(range(1, shape.total_steps + 1))
     assert sum(row["train/teacher_groups_scored_in_train_pump"] for row in rows) == 0
     assert all("train/reverse_kl" in row for row in rows)

@@ -27,8 +27,9 @@ from tandemrl.envs.counting import CountingEnv
 from tandemrl.generation.fake import FakeGenerationBackend, fake_codec
 from tandemrl.models import resolve_model_path
 from tandemrl.preflight import runtime_problems
+from tandemrl.records import TeacherRequest
 from tandemrl.rollout.ledger import OwnershipLedger, group_entry
-from tandemrl.rollout.teachers import NoTeacherWorkers
+from tandemrl.rollout.teachers import NoTeacherWorkers, TeacherPool
 from tandemrl.training.fake import FakeTeacher, FakeTrainer
 
 EXEMPLAR = "examples/configs/distill_tiny_cpu.yaml"
@@ -150,10 +151,30 @@ def test_a_dead_teacher_worker_leaves_the_rotation_and_its_call_is_retried():
     assert all(row["groups_trained"] == 4 for row in history)
     pool = controller.rollout_manager.teachers.pools[0]
     assert pool.dead_workers == [0] and pool.num_alive == 1
+    # the calls of the batch the dead worker held failed once each, as infrastructure
     failures = controller.run_state.budgets.failures
-    assert len(failures) == 1 and failures[0].kind.value == "infrastructure"
-    assert "worker 0 of teacher 'counting' died" in failures[0].cause
+    assert failures and all(record.kind.value == "infrastructure" for record in failures)
+    assert all("worker 0 of teacher 'counting' died" in record.cause for record in failures)
     assert dying.scored == [] and healthy.scored
+    assert controller.run_state.budgets.dropped == []
+
+
+def test_calls_waiting_for_a_busy_worker_go_together_in_one_batch():
+    teacher = FakeTeacher(seconds_per_sequence=0.01)
+    pool = TeacherPool("counting", [teacher], max_batch_sequences=6)
+    calls = [
+        [TeacherRequest(f"g{i}/{s}", [1, 2], [3 + i, 4, 5 + s]) for s in range(2)] for i in range(5)
+    ]
+
+    async def go():
+        return await asyncio.gather(*(pool.score(requests) for requests in calls))
+
+    answers = asyncio.run(go())
+    # the first call finds the worker free; the next three (6 sequences) wait and go as one
+    # batch, the last one after them
+    assert teacher.calls == pool.calls == 3
+    for requests, answer in zip(calls, answers, strict=True):
+        assert answer == [[teacher.logprob(t) for t in r.completion_token_ids] for r in requests]
 
 
 def test_a_teacher_whose_every_worker_died_ends_the_run():
