@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from ray.exceptions import RayActorError
 
 from tandemrl.checkpoint.commit_log import fold, read_log
@@ -121,6 +122,44 @@ def test_rows_are_scored_by_the_teacher_their_route_names(placement):
     assert in_train == (16 if placement == "train" else 0)
     if placement == "rollout":
         assert controller.rollout_manager.teacher_passes >= 16
+
+
+@pytest.mark.parametrize(
+    "sampler",
+    [
+        "{name: in_order, max_lookahead_versions: 0}",
+        "{name: in_order, max_lookahead_versions: 2}",
+        "{name: weight_fifo, max_staleness_versions: 1}",
+        "{name: ready_first, max_staleness_versions: 1}",
+        "{name: windowed, max_staleness_versions: 1}",
+    ],
+    ids=["sync", "in_order2", "weight_fifo", "ready_first", "windowed"],
+)
+def test_every_sampler_trains_toward_the_teacher_with_stale_samples_reweighted(sampler):
+    cfg = cfg_of(
+        f"async_rl.sampler={sampler}",
+        "async_rl.min_groups_for_streaming_train=2",
+        "async_rl.max_buffered_rollouts=16",
+        "async_rl.max_inflight_prompts=16",
+        "on_policy_distillation.max_num_steps=5",
+    )
+    validate_single_controller_config(cfg)
+    on_policy = "max_lookahead_versions: 0" in sampler
+    if not on_policy:  # off-policy data needs the correction: validation insists on it
+        uncorrected = cfg.model_copy(deep=True)
+        uncorrected.loss_fn.use_importance_sampling_correction = False
+        with pytest.raises(ConfigError, match="use_importance_sampling_correction"):
+            validate_single_controller_config(uncorrected)
+    teacher = FakeTeacher()
+    _, history, trainer = run(cfg, [[teacher]])
+    assert len(history) == 5
+    for step in trainer.steps:
+        for batch in step.chunks:
+            mask = batch["token_mask"] > 0
+            expected = -(batch["prev_logprobs"] - batch["teacher_logprobs"]) * mask
+            assert torch.allclose(batch["advantages"], expected)
+    if not on_policy:
+        assert max(row["staleness_max"] for row in history) >= 1
 
 
 def test_a_prompt_without_a_teacher_is_dropped_as_a_data_failure():
