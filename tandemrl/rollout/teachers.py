@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -189,8 +189,6 @@ class TeacherScorer:
     def __init__(self, routes: TeacherRoutes, pools: Sequence[TeacherPool]) -> None:
         self.routes = routes
         self.pools = list(pools)
-        # Groups scored per teacher name (metrics, tests).
-        self.groups_scored: Counter[str] = Counter()
 
     def index_for(self, item: PromptItem) -> int:
         """The index of the teacher serving ``item`` (a data failure when none does)."""
@@ -208,10 +206,7 @@ class TeacherScorer:
         self, item: PromptItem, requests: list[TeacherRequest]
     ) -> list[list[float]]:
         """The logprobs of one prompt group's completions, from the prompt's teacher."""
-        pool = self.teacher_for(item)
-        scored = await pool.score(requests)
-        self.groups_scored[pool.name] += 1
-        return scored
+        return await self.teacher_for(item).score(requests)
 
     async def score_groups(
         self, groups: Sequence[tuple[int, list[TeacherRequest]]]
@@ -230,9 +225,8 @@ class TeacherScorer:
             *(one_teacher(teacher, positions) for teacher, positions in by_teacher.items())
         )
         out: list[list[list[float]]] = [[] for _ in groups]
-        for (teacher, positions), scored in zip(by_teacher.items(), answers, strict=True):
+        for positions, scored in zip(by_teacher.values(), answers, strict=True):
             values = iter(scored)
             for position in positions:
                 out[position] = [next(values) for _ in groups[position][1]]
-            self.groups_scored[self.pools[teacher].name] += len(positions)
         return out
