@@ -9,10 +9,10 @@ pump beside the trainer's own logprob pass (``train``: the step waits for it). T
   the machine runs. Per step: generation G, training T, teacher K seconds. Ideal:
   max(G, T, K) when the teacher overlaps both pumps; max(G, T + K) when it adds to training.
 - ``real`` (``--real``): ``tandemrl train`` on Ray with the tiny CPU models (student, teacher
-  and generation in processes of their own), median step time of each placement; on a
-  2-core machine the processes share the cores, so this measures contention as well.
+  and generation in processes of their own), median step time of each placement, runs in ABBA
+  order; on a 2-core machine the processes share the cores, so this measures contention too.
 
-    python benchmarks/distill_placement.py [--steps 14] [--real --real-steps 30]
+    python benchmarks/distill_placement.py [--steps 14] [--real --real-steps 30 --real-repeats 2]
 
 Prints one ``RESULT {json}`` line: step times and their ratios (train / rollout > 1: the
 rollout-pump stage overlaps better).
@@ -25,8 +25,11 @@ import asyncio
 import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -79,26 +82,26 @@ def pipeline_step_time(
 
 
 def real_step_time(placement: str, steps: int, workdir: Path) -> float:
-    """Median step time of a real ``tandemrl train`` run (Ray, tiny CPU models)."""
-    from tandemrl.controller.run import run_training
-
+    """Median step time of a real ``tandemrl train`` run (its own process: Ray, tiny CPU
+    models)."""
     log_dir = workdir / placement
-    cfg = load_config(
-        EXEMPLAR,
-        (
-            f"on_policy_distillation.max_num_steps={steps}",
-            f"on_policy_distillation.teacher_scoring={placement}",
-            # the teacher: any model with the student's tokenizer costs the same per token
-            "on_policy_distillation.teachers.0.model_name=tiny://qwen2-counting",
-            f"logger.log_dir={log_dir}",
-            "logger.progress=false",
-            "logger.tensorboard=false",
-            "logger.plot=false",
-            "logger.save_final_model=false",
-        ),
-    )
-    if run_training(cfg) != 0:
-        raise RuntimeError(f"the {placement} run failed")
+    overrides = [
+        f"on_policy_distillation.max_num_steps={steps}",
+        f"on_policy_distillation.teacher_scoring={placement}",
+        # the teacher: any model with the student's tokenizer costs the same per token
+        "on_policy_distillation.teachers.0.model_name=tiny://qwen2-counting",
+        f"logger.log_dir={log_dir}",
+        "logger.progress=false",
+        "logger.tensorboard=false",
+        "logger.plot=false",
+        "logger.save_final_model=false",
+    ]
+    command = [sys.executable, "-m", "tandemrl.cli", "train", "--config", EXEMPLAR, *overrides]
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    with open(workdir / f"{placement}.log", "wb") as output:
+        code = subprocess.run(command, env=env, stdout=output, stderr=subprocess.STDOUT).returncode
+    if code != 0:
+        raise RuntimeError(f"the {placement} run failed ({code}); see {workdir}/{placement}.log")
     rows = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
     return statistics.median(row["step_time_s"] for row in rows[WARMUP_STEPS:])
 
@@ -109,10 +112,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=14)
     parser.add_argument("--real", action="store_true", help="also time real tandemrl train runs")
     parser.add_argument("--real-steps", type=int, default=30)
+    parser.add_argument(
+        "--real-repeats", type=int, choices=(1, 2), default=2, help="1: A B; 2: A B B A"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     seconds = args.seconds
-    result: dict[str, float | str] = {"G_s": seconds, "T_s": seconds}
+    result: dict[str, Any] = {"G_s": seconds, "T_s": seconds}
     # Teacher cost per step, as a fraction of the train time.
     for fraction in (0.5, 1.0):
         teacher_s = fraction * seconds
@@ -137,8 +143,20 @@ def main() -> None:
             f"{times['train']:.3f} s/step"
         )
     if args.real:
-        with tempfile.TemporaryDirectory(prefix="distill_placement_") as tmp:
-            real = {p: real_step_time(p, args.real_steps, Path(tmp)) for p in ("rollout", "train")}
+        # ABBA order, so a load that drifts while the runs go on favours neither placement.
+        order = ["rollout", "train", "train", "rollout"][: 2 * args.real_repeats]
+        measured: dict[str, list[float]] = {"rollout": [], "train": []}
+        workdir = Path(tempfile.mkdtemp(prefix="distill_placement_"))
+        for index, placement in enumerate(order):
+            (workdir / str(index)).mkdir()
+            step_s = real_step_time(placement, args.real_steps, workdir / str(index))
+            measured[placement].append(step_s)
+            print(f"real run {index} ({placement}): median step {step_s:.3f} s", flush=True)
+        print(f"the runs' metrics are in {workdir}")
+        real = {placement: statistics.mean(times) for placement, times in measured.items()}
+        result["real_runs"] = json.dumps(
+            {p: [round(t, 3) for t in ts] for p, ts in measured.items()}
+        )
         result["real_rollout_s"] = round(real["rollout"], 3)
         result["real_train_s"] = round(real["train"], 3)
         result["real_train_over_rollout"] = round(real["train"] / real["rollout"], 3)
