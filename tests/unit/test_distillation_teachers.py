@@ -412,3 +412,12 @@ def test_the_teacher_set_is_part_of_the_restart_identity(tmp_path):
         '"runs/another_teacher"' in message
     ), message
     assert Path(tmp_path, "step_4").is_dir()  # nothing was modified
+    # keep would train toward the old teachers' logprobs: refused too; drop_rollouts scores
+    # the groups again, so it may go on
+    keep = other.model_copy(deep=True)
+    keep.rollout_checkpointing.on_config_change = "keep"
+    with pytest.raises(RestoreRefused, match="scored by other distillation teachers"):
+        plan_restore(keep)
+    drop = other.model_copy(deep=True)
+    drop.rollout_checkpointing.on_config_change = "drop_rollouts"
+    assert plan_restore(drop).config_change is not None
