@@ -35,6 +35,7 @@ __all__ = [
     "BUILTIN_EXCLUDED_PATHS",
     "REDACTED",
     "ROLLOUT_SEMANTIC_PATHS",
+    "TEACHER_SET_PREFIX",
     "compatibility_identity",
     "diff_identities",
     "excluded_patterns",
@@ -89,6 +90,16 @@ BUILTIN_EXCLUDED_PATHS: tuple[str, ...] = (
     "policy.dtensor_cfg.activation_checkpointing",
     "value.train_micro_batch_size",
     "env.python_path",  # where env.target is imported from, not what it computes
+    # distillation: where and how fast teachers score, not what (the teacher set itself, its
+    # models, precision and routes, stays in the identity)
+    "on_policy_distillation.max_num_steps",
+    "on_policy_distillation.max_num_epochs",
+    "on_policy_distillation.teacher_scoring",
+    "on_policy_distillation.teachers.*.num_workers",
+    "on_policy_distillation.teachers.*.micro_batch_size",
+    "on_policy_distillation.teachers.*.device",
+    "on_policy_distillation.teachers.*.gpus_per_worker",
+    "on_policy_distillation.teachers.*.colocated_with_trainer",
 )
 
 # Everything else: what a prompt is, how it is generated and scored, and what the trainer
@@ -145,6 +156,29 @@ ROLLOUT_SEMANTIC_PATHS: tuple[str, ...] = (
     "ppo.warm_start_value_checkpoint",
     "ppo.adv_estimator.**",
     "ppo.async_ppo",
+    # on_policy_distillation: the step keys (AlgorithmCommon), the loss and the teacher set
+    "on_policy_distillation.num_prompts_per_step",
+    "on_policy_distillation.num_generations_per_prompt",
+    "on_policy_distillation.seed",
+    "on_policy_distillation.val_period",
+    "on_policy_distillation.val_at_start",
+    "on_policy_distillation.val_at_end",
+    "on_policy_distillation.reward_shaping",
+    "on_policy_distillation.reward_scaling",
+    "on_policy_distillation.use_dynamic_sampling",
+    "on_policy_distillation.dynamic_sampling_max_gen_batches",
+    "on_policy_distillation.overlong_filtering",
+    "on_policy_distillation.kl_coef",
+    "on_policy_distillation.reward_coef",
+    "on_policy_distillation.log_ratio_clamp",
+    "on_policy_distillation.normalize_rewards",
+    "on_policy_distillation.use_leave_one_out_baseline",
+    "on_policy_distillation.teachers.*.name",
+    "on_policy_distillation.teachers.*.model_name",
+    "on_policy_distillation.teachers.*.precision",
+    "on_policy_distillation.teachers.*.task_sources",
+    "on_policy_distillation.teachers.*.agent_refs",
+    "on_policy_distillation.teachers.*.default",
     "value.model_name",
     "value.train_global_batch_size",
     "value.max_grad_norm",
@@ -180,6 +214,12 @@ ROLLOUT_SEMANTIC_PATHS: tuple[str, ...] = (
     "env.target",
     "env.kwargs",
 )
+
+
+# The dotpaths of the distillation teacher set: a restart whose teachers differ from the
+# checkpoint's is refused whatever rollout_checkpointing.on_config_change says (the
+# checkpoint's rows hold the old teachers' logprobs and teacher indices).
+TEACHER_SET_PREFIX = "on_policy_distillation.teachers"
 
 
 def _segments(pattern: str) -> list[str]:

@@ -7,7 +7,8 @@ which the reader drops):
   committed groups and staged siblings its restore brought back.
 - ``staged``: siblings of a group finished (generated and scored), before the group commits.
 - ``generated``: a group committed; which siblings were generated fresh in this attempt and
-  which were reused from token-capture staging.
+  which were reused from token-capture staging (on-policy distillation: and how many teacher
+  passes this attempt ran for it).
 - ``trained``: a step closed; the groups it trained.
 
 ``RunJournal`` implements the pumps' ``OwnershipEvents`` (``tandemrl.rollout.events``): it
@@ -65,11 +66,21 @@ class RunJournal:
     async def committed(
         self, group: UnfinishedGroup, slot: Slot, *, end_weight: int, fresh_siblings: list[int]
     ) -> None:
-        self.generated(group.group_id, fresh_siblings)
+        self.generated(group.group_id, fresh_siblings, teacher_passes_of(group))
 
-    def generated(self, group_id: str, fresh_siblings: list[int]) -> None:
+    def generated(
+        self, group_id: str, fresh_siblings: list[int], teacher_passes: int | None = None
+    ) -> None:
         # May run on the commit log's writer thread (``record`` takes the lock).
-        self.record("generated", group_id=group_id, fresh_siblings=fresh_siblings)
+        if teacher_passes is None:
+            self.record("generated", group_id=group_id, fresh_siblings=fresh_siblings)
+            return
+        self.record(
+            "generated",
+            group_id=group_id,
+            fresh_siblings=fresh_siblings,
+            teacher_passes=teacher_passes,
+        )
 
     def dropped(self, group: UnfinishedGroup) -> None:
         pass
@@ -97,6 +108,13 @@ class RunJournal:
         self._handle.flush()
         os.fsync(self._handle.fileno())
         self._handle.close()
+
+
+def teacher_passes_of(group: UnfinishedGroup) -> int | None:
+    """On-policy distillation: the teacher passes this attempt ran for a committing group (0:
+    its teacher logprobs came back from a checkpoint with its staged siblings); None when the
+    group carries no teacher logprobs."""
+    return None if group.teacher_logprobs is None else group.teacher_passes
 
 
 def read_journal(path: Path) -> list[dict[str, Any]]:

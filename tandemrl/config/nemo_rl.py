@@ -911,12 +911,26 @@ def _top_level(tx: _Translator) -> None:
             )
         else:
             tx.drop("reward_penalties", "every penalty is off")
-    tx.inert(
-        "on_policy_distillation",
-        _null,
-        "on-policy distillation",
-        "set on_policy_distillation: null",
-    )
+    # TandemRL's own on_policy_distillation: block is an algorithm block of its own; NeMo-RL's
+    # MOPD block rides beside grpo: (with adv_estimator opd) and has another shape.
+    if not _is_tandemrl_distillation(tx.tree):
+        tx.inert(
+            "on_policy_distillation",
+            _null,
+            "NeMo-RL's on-policy distillation block (adv_estimator opd beside grpo:)",
+            "write TandemRL's on_policy_distillation: block in place of grpo: (its teachers, "
+            "kl_coef, reward_coef: docs/distillation.md) and set the NeMo-RL one to null",
+        )
+
+
+def _is_tandemrl_distillation(tree: dict[str, Any]) -> bool:
+    """An ``on_policy_distillation`` block in TandemRL's shape (a list of teachers, each a
+    mapping), which passes through untouched; validation judges it with the other blocks."""
+    block = tree.get("on_policy_distillation")
+    if not isinstance(block, dict):
+        return False
+    teachers = block.get("teachers")
+    return isinstance(teachers, list) and all(isinstance(entry, dict) for entry in teachers)
 
 
 def _drop_if_empty(tx: _Translator, path: str) -> None:

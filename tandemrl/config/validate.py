@@ -23,6 +23,7 @@ from tandemrl.config.weight_sync import facts_from_config, weight_sync_problems
 NATIVE_SAVE_BACKENDS = ("local", "simple")
 RESTORE_MODES = ("latest", "trainer_checkpoint")
 SUPPORTED_GENERATION_BACKENDS = ("torch", "vllm", "fake")
+ALGORITHM_BLOCKS = ("grpo", "ppo", "on_policy_distillation")
 
 
 def validate_single_controller_config(cfg: MasterConfig) -> list[str]:
@@ -197,18 +198,23 @@ class _Checker:
     # ------------------------------------------------------------------ algorithm blocks
 
     def check_algorithm_blocks(self) -> str | None:
-        """Exactly one of grpo:/ppo:; returns its name, or None when that rule failed."""
-        cfg = self.cfg
-        if cfg.grpo is not None and cfg.ppo is not None:
+        """Exactly one of grpo:/ppo:/on_policy_distillation:; returns its name, or None when
+        that rule failed."""
+        present = [key for key in ALGORITHM_BLOCKS if getattr(self.cfg, key) is not None]
+        if len(present) > 1:
             self.error(
-                "grpo, ppo: both blocks are present; they are mutually exclusive — keep grpo: "
-                "for a GRPO run or ppo: for a PPO run and delete the other"
+                f"{', '.join(present)}: {len(present)} algorithm blocks are present; they are "
+                "mutually exclusive — keep grpo: (GRPO), ppo: (PPO) or on_policy_distillation: "
+                "(a student trained toward teachers) and delete the others"
             )
             return None
-        if cfg.grpo is None and cfg.ppo is None:
-            self.error("grpo, ppo: neither block is present; add grpo: (GRPO) or ppo: (PPO)")
+        if not present:
+            self.error(
+                "grpo, ppo, on_policy_distillation: neither algorithm block is present; add grpo: "
+                "(GRPO), ppo: (PPO) or on_policy_distillation: (docs/distillation.md)"
+            )
             return None
-        return "ppo" if cfg.ppo is not None else "grpo"
+        return present[0]
 
     def check_algorithm(self, algo: str) -> None:
         """Rules that read the step settings of the one algorithm block."""
@@ -227,15 +233,17 @@ class _Checker:
             for key in ("value", "value_loss_fn"):
                 if getattr(self.cfg, key) is not None:
                     self.error(
-                        f"{key}: only used by PPO; remove it from a GRPO config (or switch "
-                        "grpo: to ppo:)"
+                        f"{key}: only used by PPO; remove it from a {algo} config (or switch "
+                        f"{algo}: to ppo:)"
                     )
+        if algo == "on_policy_distillation":
+            self.check_distillation()
         self.check_warmup_lookahead(algo)
 
     def check_legacy_and_epochs(self, algo: str) -> None:
         block = self.cfg.algorithm
-        legacy_key = "async_ppo" if algo == "ppo" else "async_grpo"
-        if getattr(block, legacy_key) is not None:
+        legacy_key = {"ppo": "async_ppo", "grpo": "async_grpo"}.get(algo)
+        if legacy_key is not None and getattr(block, legacy_key) is not None:
             self.error(
                 f"{algo}.{legacy_key}: the legacy async block must be null — move its knobs to "
                 f"async_rl.* (see docs/configuration.md, 'Porting a legacy async config') and "
@@ -333,6 +341,12 @@ class _Checker:
                     "remove it"
                 )
             return
+        if algo == "on_policy_distillation":
+            self.error(
+                "on_policy_distillation.use_dynamic_sampling: GRPO only — a distillation "
+                "group's advantage is the per-token KL to its teacher, which is not 0 when its "
+                "rewards are all equal; set it to false"
+            )
         if algo == "ppo":
             self.error(
                 "ppo.use_dynamic_sampling: GRPO only — it drops groups whose rewards are all "
@@ -521,6 +535,14 @@ class _Checker:
                 f"async_rl.sampler.max_lookahead_versions ({sampler.max_lookahead_versions}); "
                 "the warm-up window may only be wider — raise it or remove it"
             )
+
+    # ------------------------------------------------------------------ distillation
+
+    def check_distillation(self) -> None:
+        """Teachers, their routes and the loss of an on_policy_distillation run."""
+        from tandemrl.config.distillation import distillation_problems
+
+        self.errors.extend(distillation_problems(self.cfg))
 
     # ------------------------------------------------------------------ failure budgets
 

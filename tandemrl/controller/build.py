@@ -1,8 +1,9 @@
 """Assemble a SingleController from the config and the heavy parts it is handed.
 
 ``build_controller`` makes every pure-state part (replay buffer, sampler, data plane,
-dataloader, ledger, budgets, barrier, rollout manager) from the config; the heavy parts —
-trainer, generation engines, weight synchroniser, environment, text codec — are arguments.
+dataloader, ledger, budgets, barrier, rollout manager, the teachers' routing) from the config;
+the heavy parts — trainer, generation engines, distillation teachers' workers, weight
+synchroniser, environment, text codec — are arguments.
 Tests and benchmarks pass fakes; ``tandemrl.controller.setup`` passes Ray workers.
 """
 
@@ -21,8 +22,10 @@ from tandemrl.checkpoint.journal import RunJournal
 from tandemrl.checkpoint.layout import JOURNAL, POLICY_DIR, VALUE_DIR
 from tandemrl.checkpoint.writer import CheckpointedModel, CheckpointWriter
 from tandemrl.codec import TextCodec
+from tandemrl.config.distillation import TeacherRoutes, teacher_name
 from tandemrl.config.errors import ConfigError
 from tandemrl.config.models import MasterConfig
+from tandemrl.controller.distill_step import DistillationStepRunner
 from tandemrl.controller.ppo_step import PPOStepRunner
 from tandemrl.controller.single_controller import (
     ControllerSettings,
@@ -41,6 +44,7 @@ from tandemrl.rollout.failures import FailureBudgets
 from tandemrl.rollout.generation_pool import GenerationPool
 from tandemrl.rollout.ledger import OwnershipLedger
 from tandemrl.rollout.manager import RolloutManager, SamplingParams
+from tandemrl.rollout.teachers import TeacherPool, TeacherScorer
 from tandemrl.run_state import ControllerState, RunState
 from tandemrl.samplers import PromptGroupSampler, create_sampler
 from tandemrl.training.rewards import RewardTransform
@@ -58,6 +62,9 @@ class ControllerParts:
     dataloader: PromptDataLoader | None = None  # default: from cfg.data
     step_runner: StepRunner | None = None  # default: make_step_runner(cfg, trainer, ...)
     value_trainer: Any = None  # PPO: the critic (a ValueTrainer); None on GRPO
+    # On-policy distillation: per teacher of on_policy_distillation.teachers, its workers
+    # (TeacherWorker objects or async proxies of their actors).
+    teacher_engines: list[list[Any]] | None = None
     # Remote engines (Ray actors): send one generate call per worker per event-loop turn.
     coalesce_generate_calls: bool = False
     # Where each step's metrics row is written before its checkpoint (None: kept in history).
@@ -70,17 +77,37 @@ def make_step_runner(
     *,
     pad_token_id: int,
     value_trainer: Any = None,
+    teachers: TeacherScorer | None = None,
 ) -> StepRunner:
     """GRPO: ``GRPOStepRunner``. PPO: ``PPOStepRunner`` over the policy and the critic
-    (``value_trainer``)."""
+    (``value_trainer``). On-policy distillation: ``DistillationStepRunner`` over the policy and
+    the ``teachers``."""
     if cfg.is_ppo:
         if value_trainer is None:
             raise ValueError(
                 "a PPO run needs a critic: pass value_trainer (ControllerParts.value_trainer)"
             )
         return PPOStepRunner.from_config(cfg, trainer, value_trainer, pad_token_id=pad_token_id)
+    distill = cfg.on_policy_distillation
+    if distill is not None:
+        if teachers is None:
+            raise ValueError(
+                "an on_policy_distillation run needs its teachers: pass their workers "
+                "(ControllerParts.teacher_engines)"
+            )
+        return DistillationStepRunner(
+            trainer,
+            teachers,
+            group_size=distill.num_generations_per_prompt,
+            kl_coef=distill.kl_coef,
+            reward_coef=distill.reward_coef,
+            log_ratio_clamp=distill.log_ratio_clamp,
+            leave_one_out_baseline=distill.use_leave_one_out_baseline,
+            normalize_rewards=distill.normalize_rewards,
+            pad_token_id=pad_token_id,
+        )
     algo = cfg.grpo
-    assert algo is not None  # validation: exactly one of grpo:/ppo:
+    assert algo is not None  # validation: exactly one algorithm block
     return GRPOStepRunner(
         trainer,
         group_size=algo.num_generations_per_prompt,
@@ -90,6 +117,30 @@ def make_step_runner(
         reuse_training_logprobs=cfg.loss_fn.reuse_training_logprobs,
         reference_kl=cfg.loss_fn.reference_policy_kl_penalty > 0,
     )
+
+
+def make_teacher_scorer(
+    cfg: MasterConfig, teacher_engines: list[list[Any]] | None
+) -> TeacherScorer | None:
+    """The run's teachers over their workers (None on GRPO and PPO)."""
+    distill = cfg.on_policy_distillation
+    if distill is None:
+        return None
+    if teacher_engines is None or len(teacher_engines) != len(distill.teachers):
+        given = 0 if teacher_engines is None else len(teacher_engines)
+        raise ValueError(
+            f"on_policy_distillation.teachers lists {len(distill.teachers)} teacher(s) but "
+            f"workers for {given} were given (ControllerParts.teacher_engines)"
+        )
+    pools = [
+        TeacherPool(
+            teacher_name(teacher, index), engines, max_batch_sequences=teacher.micro_batch_size
+        )
+        for index, (teacher, engines) in enumerate(
+            zip(distill.teachers, teacher_engines, strict=True)
+        )
+    ]
+    return TeacherScorer(TeacherRoutes.from_config(distill), pools)
 
 
 def stands_down(cfg: MasterConfig) -> bool:
@@ -199,6 +250,8 @@ def build_controller(
                 records_reserve=failure.on_dropped_prompt == "replace",
                 journal=journal,
             )
+    teachers = make_teacher_scorer(cfg, parts.teacher_engines)
+    distill = cfg.on_policy_distillation
     generation_cfg = cfg.policy.generation
     eos = () if parts.codec.eos_token_id is None else (parts.codec.eos_token_id,)
     stop_ids = tuple(
@@ -226,6 +279,8 @@ def build_controller(
         seed=algo.seed,
         events=events,
         reward_transform=RewardTransform(scaling=algo.reward_scaling, shaping=algo.reward_shaping),
+        teachers=teachers,
+        teacher_stage=distill is not None and distill.teacher_scoring == "rollout",
     )
     return SingleController(
         settings=controller_settings(cfg),
@@ -240,6 +295,7 @@ def build_controller(
             parts.trainer,
             pad_token_id=parts.codec.pad_token_id,
             value_trainer=parts.value_trainer,
+            teachers=teachers,
         ),
         weight_sync=_weight_sync(parts, pool),
         barrier=barrier,
@@ -288,6 +344,7 @@ def build_fake_controller(
     engines: list[Any],
     dataloader: PromptDataLoader | None = None,
     step_hooks: list[StepHook] | None = None,
+    teacher_engines: list[list[Any]] | None = None,
 ) -> SingleController:
     """A controller over fakes (tests and benchmarks): counting task, fake text codec."""
     from tandemrl.envs.counting import CountingEnv
@@ -299,5 +356,6 @@ def build_fake_controller(
         env=CountingEnv(),
         codec=fake_codec(),
         dataloader=dataloader,
+        teacher_engines=teacher_engines,
     )
     return build_controller(cfg, parts, step_hooks=step_hooks)

@@ -171,7 +171,7 @@ def run_training(cfg: MasterConfig, *, overwrite_logs: bool = False) -> int:
             plan.step,
             cfg.algorithm.max_num_steps,
             plan.trainer_dir,
-            "ppo" if cfg.is_ppo else "grpo",
+            cfg.algorithm_key,
         )
         return EXIT_OK
     check_run_can_start(cfg, plan, overwrite_logs=overwrite_logs)

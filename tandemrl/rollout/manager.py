@@ -13,7 +13,11 @@ rollout:
 3. retry failures by class (infrastructure with capped backoff, data without), at the
    group's recovery granularity: ``sibling`` regenerates only the failed siblings,
    ``prompt_group`` regenerates all of them;
-4. once every sibling finished, turn each environment reward into the reward the rows carry
+4. on-policy distillation with ``teacher_scoring: rollout``: once every sibling finished, the
+   prompt's teacher scores the group's completions (``tandemrl.rollout.teachers``; a dead
+   teacher worker is retried like a generation failure), and the logprobs become the rows'
+   ``teacher_logprobs`` field and part of the commit log record;
+5. once every sibling finished, turn each environment reward into the reward the rows carry
    (``reward_scaling``, then ``reward_shaping``: ``tandemrl.training.rewards``), and write the
    group's rows to the data plane as one ``RowBlock``
    (``put_block``), then commit the slot with the observed ``end_weight`` — both under the
@@ -48,7 +52,14 @@ from tandemrl.config.models import RolloutFailureConfig
 from tandemrl.dataplane.base import DataPlane, RowBlock
 from tandemrl.dataplane.rows import make_group_block
 from tandemrl.envs.base import Environment
-from tandemrl.records import EnvResult, GenerationRequest, GenerationResult, PromptItem, RowMeta
+from tandemrl.records import (
+    EnvResult,
+    GenerationRequest,
+    GenerationResult,
+    PromptItem,
+    RowMeta,
+    TeacherRequest,
+)
 from tandemrl.rollout.events import OwnershipEvents
 from tandemrl.rollout.failures import (
     DataFailure,
@@ -65,6 +76,7 @@ from tandemrl.rollout.generation_pool import (
     within_awake_time,
 )
 from tandemrl.rollout.ledger import OwnershipLedger, StagedSibling, UnfinishedGroup
+from tandemrl.rollout.teachers import NoTeacherWorkers, TeacherScorer
 from tandemrl.training.rewards import RewardTransform
 
 log = logging.getLogger(__name__)
@@ -148,6 +160,8 @@ class RolloutManager:
         seed: int = 0,
         events: OwnershipEvents | None = None,
         reward_transform: RewardTransform | None = None,
+        teachers: TeacherScorer | None = None,
+        teacher_stage: bool = False,
     ) -> None:
         self.buffer = buffer
         self.data_plane = data_plane
@@ -171,6 +185,11 @@ class RolloutManager:
         self.seed = seed
         # The journal and/or the commit log; None when neither is on.
         self.events = events
+        # On-policy distillation: the teachers (each row records its teacher's index) and
+        # whether they score each group here, before its commit (teacher_scoring: rollout).
+        self.teachers = teachers
+        self.teacher_stage = teacher_stage and teachers is not None
+        self.teacher_passes = 0  # groups scored by the teacher stage (metrics, chaos proofs)
         # The latest completions with their rewards, for the metrics' sample log.
         self.recent_samples: deque[dict[str, object]] = deque(maxlen=RECENT_SAMPLES)
         self.generated_siblings = 0  # completions produced by the engines (metrics, chaos proofs)
@@ -211,7 +230,12 @@ class RolloutManager:
         """Drive ``group`` to a committed slot; raise RolloutDropped when it is dropped."""
         reused = set(group.staged)
         try:
+            if self.teachers is not None:
+                self._check_teacher(group, self.teachers)
             await self._generate_all_siblings(group)
+            if self.teacher_stage and group.teacher_logprobs is None:
+                assert self.teachers is not None
+                await self._teacher_pass(group, self.teachers)
             await self._push_and_commit(group, reused)
         except RolloutDropped as dropped:
             dropped.slot = await self._drop(group)
@@ -346,6 +370,44 @@ class RolloutManager:
                 self.events.staged(group, finished)
             if failed_any and group.granularity == "prompt_group":
                 group.discard_staged()
+
+    def _check_teacher(self, group: UnfinishedGroup, teachers: TeacherScorer) -> None:
+        """A prompt no teacher serves is dropped before anything is generated for it."""
+        try:
+            teachers.index_for(group.item)
+        except DataFailure as failure:
+            self._drop_unretryable(group, failure)
+
+    async def _teacher_pass(self, group: UnfinishedGroup, teachers: TeacherScorer) -> None:
+        """The group's teacher logprobs (every sibling finished); a dead teacher worker is an
+        infrastructure failure, retried with backoff like a generation worker's."""
+        staged = group.staged
+        prompt_ids = staged[0].result.prompt_token_ids
+        requests = [
+            TeacherRequest(
+                f"{group.group_id}/{sibling}", prompt_ids, staged[sibling].result.token_ids
+            )
+            for sibling in range(self.group_size)
+        ]
+        infra_retries = 0
+        while True:
+            try:
+                group.teacher_logprobs = await teachers.score_group(group.item, requests)
+                group.teacher_passes += 1
+                self.teacher_passes += 1
+                return
+            except NoTeacherWorkers:
+                raise
+            except Exception as exc:
+                kind = classify(exc)
+                if kind is not FailureKind.INFRA:
+                    failure = exc if isinstance(exc, DataFailure) else DataFailure(str(exc))
+                    self._drop_unretryable(group, failure)
+                record = self._record(group, None, infra_retries + 1, kind, exc)
+                if infra_retries >= self.failure_cfg.max_infra_retries:
+                    raise RolloutDropped(group.group_id, record) from exc
+                await asyncio.sleep(backoff_delay(infra_retries, self.failure_cfg))
+                infra_retries += 1
 
     async def _generate_within_rollout_deadline(
         self, group: UnfinishedGroup, requests: list[GenerationRequest], *, attempt_started: float
@@ -492,7 +554,14 @@ class RolloutManager:
                 )
             )
         block = make_group_block(
-            sample_ids, staged[0].result.prompt_token_ids, completions, logprobs, rewards, keeps
+            sample_ids,
+            staged[0].result.prompt_token_ids,
+            completions,
+            logprobs,
+            rewards,
+            keeps,
+            None if self.teachers is None else self.teachers.index_for(group.item),
+            group.teacher_logprobs,
         )
         return block, metas
 

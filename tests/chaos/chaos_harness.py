@@ -59,6 +59,7 @@ from tandemrl.checkpoint.layout import JOURNAL
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "examples" / "configs" / "grpo_tiny_cpu_checkpointed.yaml"
 LIGHT_DRIVER = REPO / "tests" / "chaos" / "light_driver.py"
+DISTILL_CONFIG = REPO / "examples" / "configs" / "distill_tiny_cpu.yaml"
 MARKER_ENV = "TANDEMRL_CHAOS_RUN"
 POLL_S = 0.004
 # The run's process list is refreshed this often while waiting for a kill point, so the kill
@@ -83,6 +84,11 @@ class RunShape:
     prompts_per_step: int = 8
     generations_per_prompt: int = 8
     commit_log: bool = True
+    # The algorithm block the run's step keys live in, and the config it starts from.
+    algorithm: str = "grpo"
+    config: Path = CONFIG
+    # More overrides (a distillation run: its teacher, checkpointing, token capture).
+    extra: tuple[str, ...] = ()
 
     @property
     def total_steps(self) -> int:
@@ -93,17 +99,18 @@ class RunShape:
 
     def overrides(self, workdir: Path) -> list[str]:
         batch = self.prompts_per_step * self.generations_per_prompt
+        algo = self.algorithm
         return [
             f"data.num_prompts={self.num_prompts}",
-            f"grpo.max_num_epochs={self.epochs}",
-            f"grpo.num_prompts_per_step={self.prompts_per_step}",
-            f"grpo.num_generations_per_prompt={self.generations_per_prompt}",
+            f"{algo}.max_num_epochs={self.epochs}",
+            f"{algo}.num_prompts_per_step={self.prompts_per_step}",
+            f"{algo}.num_generations_per_prompt={self.generations_per_prompt}",
             f"policy.train_global_batch_size={batch}",
             f"policy.train_micro_batch_size={batch}",
             f"async_rl.max_buffered_rollouts={2 * self.prompts_per_step}",
             f"async_rl.max_inflight_prompts={2 * self.prompts_per_step}",
             f"async_rl.min_groups_for_streaming_train={self.prompts_per_step}",
-            "grpo.max_num_steps=1000",
+            f"{algo}.max_num_steps=1000",
             "checkpointing.save_period=1",
             "rollout_checkpointing.snapshot_attempt_interval_s=0.5",
             f"rollout_checkpointing.commit_log={str(self.commit_log).lower()}",
@@ -112,7 +119,25 @@ class RunShape:
             "logger.progress=false",
             "logger.tensorboard=false",
             "logger.plot=false",
+            *self.extra,
         ]
+
+
+def distillation_shape(**kwargs: Any) -> RunShape:
+    """A checkpointed on-policy distillation run: the exemplar's settings with crash recovery
+    on, and a teacher built on first use (the ``tiny://`` student preset itself: what is
+    proven here is the bookkeeping of its scores, not learning)."""
+    return RunShape(
+        algorithm="on_policy_distillation",
+        config=DISTILL_CONFIG,
+        extra=(
+            "on_policy_distillation.teachers.0.model_name=tiny://qwen2-counting",
+            "checkpointing.enabled=true",
+            "checkpointing.save_data_plane=true",
+            "token_capture.enabled=true",
+        ),
+        **kwargs,
+    )
 
 
 @dataclass
@@ -279,6 +304,7 @@ class Attempt:
         marker: str,
         *,
         zygote: LightZygote | None = None,
+        config: Path = CONFIG,
     ) -> None:
         self.index = index
         self.log_path = workdir / f"attempt_{index:02d}.log"
@@ -294,7 +320,7 @@ class Attempt:
         self._pids_at = 0.0
         self.process: subprocess.Popen[bytes] | ForkedProcess
         if zygote is not None:
-            self.process = zygote.start(["--config", str(CONFIG), *overrides], self.log_path)
+            self.process = zygote.start(["--config", str(config), *overrides], self.log_path)
             return
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
@@ -304,7 +330,7 @@ class Attempt:
                     "tandemrl.cli",
                     "train",
                     "--config",
-                    str(CONFIG),
+                    str(config),
                     *overrides,
                 ],
                 cwd=REPO,
@@ -542,7 +568,7 @@ def run_with_kills(
             starts_before = sum(
                 event["event"] == "start" for event in _journal_events(checkpoint_dir / JOURNAL)
             )
-            attempt = Attempt(report.attempts, workdir, overrides, marker)
+            attempt = Attempt(report.attempts, workdir, overrides, marker, config=shape.config)
             report.attempts += 1
             observer = Observer(checkpoint_dir, starts_before, shape)
             if not pending:
@@ -617,7 +643,18 @@ def audit(checkpoint_dir: Path, shape: RunShape) -> dict[str, Any]:
     steps = sorted(result.trained)
     finished_again = result.finished_again()
     replays = [event.get("replayed") or {} for event in result.restores]
+    # On-policy distillation: teacher passes per group over every attempt's commits (the
+    # journal's ``generated`` events carry them); a committed group must be scored once.
+    teacher_passes: Counter[str] = Counter()
+    for event in read_journal(checkpoint_dir / JOURNAL):
+        if event["event"] == "generated" and "teacher_passes" in event:
+            teacher_passes[event["group_id"]] += int(event["teacher_passes"])
     return {
+        "teacher_passes": sum(teacher_passes.values()),
+        "teacher_passes_redone": sorted(g for g, n in teacher_passes.items() if n > 1),
+        "trained_without_teacher_pass": sorted(set(trained) - set(teacher_passes))
+        if teacher_passes
+        else [],
         "attempts": result.attempts,
         "steps": len(steps),
         "expected_steps": shape.total_steps,

@@ -14,7 +14,14 @@ from __future__ import annotations
 import json
 
 import pytest
-from chaos_harness import RunShape, audit, dump, leftover_temporaries, run_with_kills
+from chaos_harness import (
+    RunShape,
+    audit,
+    distillation_shape,
+    dump,
+    leftover_temporaries,
+    run_with_kills,
+)
 
 pytestmark = pytest.mark.chaos
 
@@ -61,3 +68,40 @@ def test_sigkill_and_restart_trains_every_prompt_exactly_once(tmp_path):
     lines = (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()
     logged = [json.loads(line)["step"] for line in lines]
     assert logged == list(range(1, shape.total_steps + 1)), logged
+
+
+def test_sigkill_of_a_distillation_run_scores_no_committed_group_twice(tmp_path):
+    """A distillation run killed mid-generation (groups committed with their teacher logprobs,
+    others in flight) resumes with every committed group's logprobs from the checkpoint: each
+    trained group was scored by its teacher exactly once, over both attempts."""
+    shape = distillation_shape(num_prompts=32, epochs=1)
+    # Generous deadlines: three Ray workers load models on two shared cores before step 1.
+    report = run_with_kills(
+        tmp_path,
+        ["mid_generation"],
+        shape=shape,
+        seed=0,
+        point_timeout_s=600.0,
+        final_timeout_s=900.0,
+    )
+    dump(report, tmp_path / "chaos_report.json")
+    print("RESULT", {**report.result(), "teacher_passes": report.audit["teacher_passes"]})
+
+    assert report.final_returncode == 0
+    assert report.kills[0].hit, report.kills
+    proof = report.audit
+    assert proof["attempts"] == 2
+    assert proof["groups_lost"] == 0 and proof["groups_duplicated"] == 0, proof
+    assert proof["steps"] == shape.total_steps and proof["step_numbering_continuous"], proof
+    assert proof["groups_regenerated"] == 0, proof
+    # the restart brought committed groups back (snapshot or commit log) ...
+    assert proof["restored_committed"] > 0, proof
+    # ... and no teacher scored any committed group a second time
+    assert proof["teacher_passes_redone"] == [], proof
+    assert proof["trained_without_teacher_pass"] == [], proof
+    rows = [
+        json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [row["step"] for row in rows] == list(range(1, shape.total_steps + 1))
+    assert sum(row["train/teacher_groups_scored_in_train_pump"] for row in rows) == 0
+    assert all("train/reverse_kl" in row for row in rows)

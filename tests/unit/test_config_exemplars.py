@@ -44,6 +44,7 @@ def test_the_expected_exemplars_exist():
         "ppo_tiny_cpu",
         "grpo_smollm2_math_gpu",
         "grpo_gpu_1x",
+        "distill_tiny_cpu",
     }
 
 
@@ -156,3 +157,15 @@ def test_the_one_gpu_exemplar_runs_the_measured_fastest_settings():
     assert cfg.async_rl.sampler.name == "ready_first"
     assert cfg.loss_fn.use_importance_sampling_correction
     assert (cfg.data.prompt_format, cfg.env.name) == ("chat", "math")
+
+
+def test_the_distillation_exemplar_says_how_to_train_its_teacher():
+    cfg = exemplar("distill_tiny_cpu")
+    assert cfg.on_policy_distillation is not None
+    text = (CONFIGS / "distill_tiny_cpu.yaml").read_text()
+    command = next(line for line in text.splitlines() if "grpo_tiny_cpu.yaml" in line)
+    log_dir = command.split("logger.log_dir=")[1].split()[0]
+    # the one command writes the teacher folder the exemplar reads (its final model)
+    (teacher,) = cfg.on_policy_distillation.teachers
+    assert teacher.model_name == f"{log_dir}/final_model" and teacher.default
+    assert cfg.policy.model_name == "tiny://qwen2-counting"
