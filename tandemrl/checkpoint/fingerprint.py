@@ -50,6 +50,27 @@ BUILTIN_EXCLUDED_PATHS: tuple[str, ...] = (
     "policy.device",
     "policy.generation.colocated.mps",
     "env.python_path",  # where env.target is imported from, not what it computes
+    # Validation passes never touch a rollout (no buffer slot, no ledger entry, no row): what
+    # they evaluate and how often is operational. Their own checkpointed progress carries the
+    # held-out prompts' fingerprint and k, and starts over when those change.
+    "grpo.val_period",
+    "grpo.val_at_start",
+    "grpo.val_at_end",
+    "grpo.max_val_samples",
+    "grpo.val_batch_size",
+    "grpo.val_num_generations",
+    "ppo.val_period",
+    "ppo.val_at_start",
+    "ppo.val_at_end",
+    "ppo.max_val_samples",
+    "ppo.val_batch_size",
+    "ppo.val_num_generations",
+    "data.validation",
+    "policy.generation.val_temperature",
+    "policy.generation.val_top_p",
+    "policy.generation.val_top_k",
+    "checkpointing.metric_name",
+    "checkpointing.higher_is_better",
 )
 
 

@@ -9,6 +9,8 @@ which the reader drops):
 - ``generated``: a group committed; which siblings were generated fresh in this attempt and
   which were reused from token-capture staging.
 - ``trained``: a step closed; the groups it trained.
+- ``validation_opened``: a validation pass opened at a trainer version (or was re-opened by a
+  restart); ``validated``: it finished, with the metrics it reported.
 
 ``RunJournal`` implements the pumps' ``OwnershipEvents`` (``tandemrl.rollout.events``): it
 records ``staged``, ``committed`` (as ``generated``), ``evicted`` and ``trained``, and ignores
@@ -18,7 +20,9 @@ the rest. Behind the commit log it is called by it (``CommitLogEvents``), so tha
 ``lineage`` replays the journal into what the final model was actually trained on: a
 ``start`` that resumed after step N voids every ``trained`` event after step N of the earlier
 attempts. The chaos tests prove exactly-once training from it, and that no finished group or
-sibling was generated again (``finished_again``).
+sibling was generated again (``finished_again``). ``reported_validations`` replays it the
+same way into the validation passes reported in the current lineage: a restart re-opens a pass
+only when none of them reported its version, so no version is reported twice.
 """
 
 from __future__ import annotations
@@ -154,3 +158,18 @@ def lineage(events: list[dict[str, Any]]) -> Lineage:
                 ) in restored_staged.get(attempt, set()):
                     result.regenerated_after_restore.append(f"{group}/{sibling}")
     return result
+
+
+def reported_validations(events: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Version -> metrics row of every validation pass reported in the current lineage: a
+    ``start`` that resumed after step N voids the reports of versions above N (those steps
+    are trained again, and their passes run again)."""
+    reported: dict[int, dict[str, Any]] = {}
+    for event in events:
+        kind = event["event"]
+        if kind == "start":
+            resumed = int(event.get("resumed_step", 0))
+            reported = {v: row for v, row in reported.items() if v <= resumed}
+        elif kind == "validated":
+            reported[int(event["version"])] = dict(event.get("metrics") or {})
+    return reported
