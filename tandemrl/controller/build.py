@@ -138,7 +138,8 @@ def build_controller(
         policy_training_start_step=0 if cfg.ppo is None else cfg.ppo.policy_training_start_step,
     )
     check_buffer_capacity(sampler, cfg)
-    data_plane = parts.data_plane or create_data_plane(cfg.data_plane)
+    # "is None": an empty data plane is falsy (it has a length).
+    data_plane = parts.data_plane if parts.data_plane is not None else create_data_plane(cfg.data_plane)
     dataloader = parts.dataloader or PromptDataLoader.from_config(
         cfg.data, max_num_epochs=algo.max_num_epochs
     )
