@@ -446,6 +446,7 @@ class _Checker:
             ):
                 if getattr(block, key) != default:
                     self.warn(f"{algo}.{key}: has no effect while no validation pass is scheduled")
+            self.check_best_checkpoint_metric(algo)
             return
         if cfg.data.validation is None:
             keys = [key for key in ("val_period", "val_at_start", "val_at_end") if getattr(block, key)]
@@ -463,18 +464,21 @@ class _Checker:
                 f"{budget} (the default is a quarter of max_inflight_prompts)"
             )
         top_k = generation.val_top_k
-        if top_k is not None and top_k > 1 and generation.val_temperature > 0:
+        # Greedy (temperature 0, or top-1) needs no top-k sampling.
+        greedy = generation.val_temperature == 0 or top_k == 1
+        if top_k is not None and top_k > 1 and not greedy:
             self.error(
                 f"policy.generation.val_top_k: {top_k} needs top-k sampling, which TandemRL's "
                 "engines do not support; set it to null (or -1), use val_top_p, or sample "
                 "greedily (val_temperature: 0)"
             )
         k = block.val_num_generations
-        if k > 1 and generation.val_temperature == 0:
+        if k > 1 and greedy:
             self.error(
                 f"{algo}.val_num_generations: {k} greedy completions of one prompt are all the "
-                f"same, so pass@{k} would equal pass@1; set policy.generation.val_temperature "
-                f"above 0 to sample them, or {algo}.val_num_generations: 1"
+                f"same (val_temperature 0 or val_top_k 1 is greedy), so pass@{k} would equal "
+                "pass@1; set policy.generation.val_temperature above 0 to sample them, or "
+                f"{algo}.val_num_generations: 1"
             )
         self.check_best_checkpoint_metric(algo)
 

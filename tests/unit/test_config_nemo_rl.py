@@ -340,7 +340,7 @@ def test_port_prints_a_config_that_loads_as_the_same_run_and_lists_what_it_left(
           megatron_cfg: {enabled: true, tensor_model_parallel_size: 2}
           frobnicate: 3
         grpo:
-          val_period: 10
+          use_dynamic_sampling: true
         logger:
           wandb_enabled: true
         """,
@@ -348,7 +348,7 @@ def test_port_prints_a_config_that_loads_as_the_same_run_and_lists_what_it_left(
     report = port_config(path)
     assert [r.split(":", 1)[0] for r in report.refused] == ["policy.megatron_cfg"]
     assert any(r.startswith("policy.frobnicate: unknown key") for r in report.remaining)
-    assert any(r.startswith("grpo.val_period:") for r in report.remaining)
+    assert any(r.startswith("grpo.use_dynamic_sampling:") for r in report.remaining)
     assert any(c.startswith("logger.wandb_enabled: renamed") for c in report.changed)
     dropped = {entry.split(":", 1)[0] for entry in report.dropped}
     assert {"policy.dtensor_cfg._v2", "logger.gpu_monitoring", "grpo.max_val_samples"} <= dropped
@@ -357,10 +357,10 @@ def test_port_prints_a_config_that_loads_as_the_same_run_and_lists_what_it_left(
     assert printed["logger"]["wandb"]["enabled"] is True
     # The printed config, once its refused and invalid parts are fixed, is the same run.
     fixed = tmp_path / "ported.yaml"
-    printed["grpo"]["val_period"] = 0
+    printed["grpo"]["use_dynamic_sampling"] = False
     fixed.write_text(yaml.safe_dump(printed))
     original = load_config(
-        path, ["~policy.megatron_cfg", "~policy.frobnicate", "grpo.val_period=0"]
+        path, ["~policy.megatron_cfg", "~policy.frobnicate", "grpo.use_dynamic_sampling=false"]
     )
     assert load_config(fixed) == original
 

@@ -157,7 +157,7 @@ def test_all_violations_are_reported_together():
         "grpo.max_num_epochs",
         "policy.train_global_batch_size",
         "loss_fn.use_importance_sampling_correction",
-        "grpo.val_period",
+        "data.validation",  # val_period needs held-out prompts
     ):
         find(messages, dotpath)
 
@@ -389,9 +389,6 @@ def test_on_policy_samplers_do_not_need_importance_sampling(sampler):
 @pytest.mark.parametrize(
     ("key", "value"),
     [
-        ("val_period", "10"),
-        ("val_at_start", "true"),
-        ("val_at_end", "true"),
         ("reward_shaping", "{enabled: true}"),
         ("reward_scaling", "{enabled: true}"),
         ("use_dynamic_sampling", "true"),

@@ -144,8 +144,12 @@ def run(cfg, engine, *, sink=None, trainer=None, data_plane=None, step_hooks=Non
 
 
 def test_evaluation_requests_share_the_workers_but_never_reach_the_buffer_or_the_trainer():
-    cfg = make_cfg("grpo.val_period=2", "grpo.val_at_start=true", "grpo.val_num_generations=2",
-                   "policy.generation.val_temperature=1.0")
+    cfg = make_cfg(
+        "grpo.val_period=2",
+        "grpo.val_at_start=true",
+        "grpo.val_num_generations=2",
+        "policy.generation.val_temperature=1.0",
+    )
     engine = RecordingEngine(latency=LatencyModel("uniform", low=0.0, high=0.003), seed=1)
     data_plane = RecordingDataPlane()
     controller, history, trainer = run(cfg, engine, data_plane=data_plane)
