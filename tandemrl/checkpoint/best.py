@@ -100,7 +100,9 @@ def explain(record: Mapping[str, Any], on_disk: Iterable[int]) -> str:
     """Why the recorded checkpoint is the best, in one paragraph (``tandemrl inspect``)."""
     name = record.get("metric_name")
     order = "higher" if record.get("higher_is_better", True) else "lower"
-    validated = {int(step): value for step, value in (record.get("validated_on_disk") or {}).items()}
+    validated = {
+        int(step): value for step, value in (record.get("validated_on_disk") or {}).items()
+    }
     best = record.get("best")
     if best is None:
         return (

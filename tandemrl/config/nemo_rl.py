@@ -705,7 +705,9 @@ def _async_rl(tx: _Translator) -> None:
 
 
 _VALIDATION_OFF = "validation is off (no val_period, val_at_start or val_at_end)"
-_NO_VAL_SAMPLES = "TandemRL prints no validation samples; every pass's metrics go to validation.jsonl"
+_NO_VAL_SAMPLES = (
+    "TandemRL prints no validation samples; every pass's metrics go to validation.jsonl"
+)
 # NeMo-RL's names of a checkpoint metric -> the validation metric TandemRL reports for it (its
 # math environment's accuracy is the mean of a 0/1 reward).
 _NEMO_RL_METRICS = {

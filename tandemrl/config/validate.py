@@ -449,7 +449,9 @@ class _Checker:
             self.check_best_checkpoint_metric(algo)
             return
         if cfg.data.validation is None:
-            keys = [key for key in ("val_period", "val_at_start", "val_at_end") if getattr(block, key)]
+            keys = [
+                key for key in ("val_period", "val_at_start", "val_at_end") if getattr(block, key)
+            ]
             self.error(
                 f"data.validation: required by {', '.join(f'{algo}.{k}' for k in keys)} — a "
                 "validation pass needs held-out prompts; set data.validation to a JSONL file "

@@ -38,11 +38,11 @@ from tandemrl.data.dataset import PromptRecord, dataset_fingerprint, load_valida
 from tandemrl.dataplane import create_data_plane
 from tandemrl.dataplane.base import DataPlane
 from tandemrl.envs.base import Environment
+from tandemrl.records import PromptItem
 from tandemrl.rollout.events import OwnershipEvents
 from tandemrl.rollout.failures import FailureBudgets
 from tandemrl.rollout.generation_pool import GenerationPool
 from tandemrl.rollout.ledger import OwnershipLedger
-from tandemrl.records import PromptItem
 from tandemrl.rollout.manager import RolloutManager, SamplingParams
 from tandemrl.rollout.validation_state import ValidationSchedule, ValidationState
 from tandemrl.run_state import ControllerState, RunState
@@ -139,7 +139,9 @@ def build_controller(
     )
     check_buffer_capacity(sampler, cfg)
     # "is None": an empty data plane is falsy (it has a length).
-    data_plane = parts.data_plane if parts.data_plane is not None else create_data_plane(cfg.data_plane)
+    data_plane = (
+        parts.data_plane if parts.data_plane is not None else create_data_plane(cfg.data_plane)
+    )
     dataloader = parts.dataloader or PromptDataLoader.from_config(
         cfg.data, max_num_epochs=algo.max_num_epochs
     )

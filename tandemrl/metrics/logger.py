@@ -98,9 +98,7 @@ def _to_json_value(value: Any) -> Any:
     raise TypeError(f"metric value {value!r} of type {type(value).__name__} is not JSON")
 
 
-def _read_metrics_lines(
-    path: Path, key: str = "step"
-) -> tuple[list[dict[str, Any]], bool, bool]:
+def _read_metrics_lines(path: Path, key: str = "step") -> tuple[list[dict[str, Any]], bool, bool]:
     """Parsed lines of ``path``; whether a torn last line was dropped; whether to rewrite.
     Every line must hold an integer ``key``."""
     text = path.read_text(encoding="utf-8")

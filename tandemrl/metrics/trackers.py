@@ -53,7 +53,9 @@ class MetricsSink(Protocol):
 
 def validation_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
     """The ``val/`` numbers of a validation pass's row."""
-    return {name: value for name, value in numeric_metrics(metrics).items() if name.startswith("val/")}
+    return {
+        name: value for name, value in numeric_metrics(metrics).items() if name.startswith("val/")
+    }
 
 
 def numeric_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:

@@ -17,10 +17,13 @@ Kill points, detected from outside by polling the checkpoint directory and the r
 - ``trainer_checkpoint_write``: a ``.step_N.tmp-*`` folder exists (N at least two steps past
   the resumed one, so a previous checkpoint of this attempt exists).
 - ``snapshot_write``: a ``.snapshot_*.tmp-*`` folder exists under an anchor.
+- ``validation_open``: a validation pass this attempt opened at version N has not reported, and
+  ``step_N``'s checkpoint (which holds it open) is published (needs ``RunShape.val_period``).
 - ``random``: a seeded delay (0-4 s) after the attempt's first committed group, or (one time
   in four) 2-45 s after the process started: a kill during start-up or restore.
 
-``audit`` replays the journal (``tandemrl.checkpoint.journal.lineage``) into the proof.
+``audit`` replays the journal (``tandemrl.checkpoint.journal.lineage``) into the proof, and
+with validation on, counts the passes reported per version in the final lineage.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ KILL_POINTS = (
     "mid_train",
     "trainer_checkpoint_write",
     "snapshot_write",
+    "validation_open",
     "random",
 )
 
@@ -67,6 +71,11 @@ class RunShape:
     prompts_per_step: int = 8
     generations_per_prompt: int = 8
     commit_log: bool = True
+    # Validation passes every val_period versions (0: off): val_samples held-out prompts,
+    # val_generations sampled completions each.
+    val_period: int = 0
+    val_samples: int = 64
+    val_generations: int = 1
 
     @property
     def total_steps(self) -> int:
@@ -74,6 +83,11 @@ class RunShape:
 
     def prompt_ids(self) -> set[str]:
         return {f"e{e}-i{i}" for e in range(self.epochs) for i in range(self.num_prompts)}
+
+    def validated_versions(self) -> list[int]:
+        if not self.val_period:
+            return []
+        return list(range(self.val_period, self.total_steps + 1, self.val_period))
 
     def overrides(self, workdir: Path) -> list[str]:
         batch = self.prompts_per_step * self.generations_per_prompt
@@ -96,6 +110,17 @@ class RunShape:
             "logger.progress=false",
             "logger.tensorboard=false",
             "logger.plot=false",
+            *(
+                [
+                    f"grpo.val_period={self.val_period}",
+                    f"grpo.max_val_samples={self.val_samples}",
+                    f"grpo.val_num_generations={self.val_generations}",
+                    f"policy.generation.val_temperature={1.0 if self.val_generations > 1 else 0.0}",
+                    "data.validation=builtin://counting",
+                ]
+                if self.val_period
+                else []
+            ),
         ]
 
 
@@ -141,6 +166,8 @@ class ChaosReport:
                     "log_replayed_committed",
                     "steps",
                     "step_numbering_continuous",
+                    "validation_reports",
+                    "validation_reopened",
                 )
             },
         }
@@ -349,6 +376,18 @@ class KillPoint:
             start, _ = observer.this_attempt()
             names = observer.tmp_snapshot_dirs() if start is not None else []
             return names[0] if names else None
+        if self.point == "validation_open":
+            _, after = observer.this_attempt()
+            reported = {e["version"] for e in after if e["event"] == "validated"}
+            for event in after:
+                version = event.get("version")
+                if (
+                    event["event"] == "validation_opened"
+                    and version not in reported
+                    and (observer.checkpoint_dir / f"step_{version}" / "manifest.json").is_file()
+                ):
+                    return f"the pass of version {version} open, step_{version} published"
+            return None
         start, after = observer.this_attempt()
         if start is None:
             return None
@@ -483,7 +522,9 @@ def audit(checkpoint_dir: Path, shape: RunShape) -> dict[str, Any]:
     steps = sorted(result.trained)
     finished_again = result.finished_again()
     replays = [event.get("replayed") or {} for event in result.restores]
+    validation = validation_audit(read_journal(checkpoint_dir / JOURNAL))
     return {
+        **validation,
         "attempts": result.attempts,
         "steps": len(steps),
         "expected_steps": shape.total_steps,
@@ -510,6 +551,27 @@ def audit(checkpoint_dir: Path, shape: RunShape) -> dict[str, Any]:
         "resumed_steps": [int(event.get("resumed_step", 0)) for event in result.restores],
         "restored_committed": sum(len(e.get("restored_committed", [])) for e in result.restores),
         "restored_staged": sum(len(e.get("restored_staged", [])) for e in result.restores),
+    }
+
+
+def validation_audit(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """Validation passes in the final lineage: reports per version (a ``start`` that resumed
+    after step N voids the reports of versions above N), and the passes restarts re-opened."""
+    reports: Counter[int] = Counter()
+    for event in events:
+        if event["event"] == "start":
+            resumed = int(event.get("resumed_step", 0))
+            reports = Counter({v: n for v, n in reports.items() if v <= resumed})
+        elif event["event"] == "validated":
+            reports[int(event["version"])] += 1
+    reopened = [
+        int(e["version"])
+        for e in events
+        if e["event"] == "validation_opened" and int(e.get("restarts", 0)) > 0
+    ]
+    return {
+        "validation_reports": dict(sorted(reports.items())),
+        "validation_reopened": reopened,
     }
 
 

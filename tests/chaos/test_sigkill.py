@@ -3,8 +3,11 @@ the run journal that every prompt of every epoch was trained exactly once and th
 group or sibling was generated twice (the commit log keeps what committed after the newest
 snapshot).
 
-The kill points (see ``chaos_harness``): while a trainer checkpoint is being written, while a
-rollout snapshot is being written, and mid-generation shortly after a step closed. Each
+The kill points (see ``chaos_harness``): while a validation pass is open (its version's
+checkpoint holds it open), while a trainer checkpoint is being written, while a rollout
+snapshot is being written, and mid-generation shortly after a step closed. The run validates
+every 8 versions: every pass is reported exactly once, the one open at the kill after the
+restart. Each
 restart is the same ``tandemrl train`` command; it resumes from the newest compatible bundle.
 ``benchmarks/chaos_restart.py`` is the longer variant (more kills, random times).
 """
@@ -18,11 +21,11 @@ from chaos_harness import RunShape, audit, dump, leftover_temporaries, run_with_
 
 pytestmark = pytest.mark.chaos
 
-CI_KILL_POINTS = ["trainer_checkpoint_write", "snapshot_write", "mid_generation"]
+CI_KILL_POINTS = ["validation_open", "trainer_checkpoint_write", "snapshot_write", "mid_generation"]
 
 
 def test_sigkill_and_restart_trains_every_prompt_exactly_once(tmp_path):
-    shape = RunShape()
+    shape = RunShape(val_period=8, val_samples=64, val_generations=4)
     report = run_with_kills(tmp_path, CI_KILL_POINTS, shape=shape, seed=0)
     dump(report, tmp_path / "chaos_report.json")
     print("RESULT", report.result())
@@ -61,3 +64,13 @@ def test_sigkill_and_restart_trains_every_prompt_exactly_once(tmp_path):
     lines = (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()
     logged = [json.loads(line)["step"] for line in lines]
     assert logged == list(range(1, shape.total_steps + 1)), logged
+
+    # Validation: the kill came with a pass open; the restart re-opened it at its version;
+    # every scheduled version was reported once in the final lineage, and once in the file.
+    assert kills["validation_open"].hit, kills
+    opened_at_kill = int(kills["validation_open"].detail.split("version ")[1].split(" ")[0])
+    assert opened_at_kill in proof["validation_reopened"], proof
+    expected = {version: 1 for version in shape.validated_versions()}
+    assert proof["validation_reports"] == expected, proof
+    lines = (tmp_path / "logs" / "validation.jsonl").read_text().splitlines()
+    assert sorted(json.loads(line)["trainer_version"] for line in lines) == sorted(expected)

@@ -189,4 +189,3 @@ def test_the_fingerprint_redacts_passwords_inside_urls():
     assert identity["env.kwargs.n"] == 2
     assert redact_url("sqlite:///tmp/x.db") == "sqlite:///tmp/x.db"
     assert redact_url("https://tok@host/") == f"https://{REDACTED}@host/"
-

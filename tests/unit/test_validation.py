@@ -303,7 +303,7 @@ def test_a_pass_open_at_a_crash_is_redone_once_at_its_version_and_none_is_report
         asyncio.run(attempt(first, [crash_after_step_5], 0))
 
     second = RecordingEngine(seed=2)
-    controller, plan = asyncio.run(attempt(second, [], None))
+    _, plan = asyncio.run(attempt(second, [], None))
     assert plan.step == 5  # attempt 2 resumed from step 5's checkpoint
 
     # Version 4 was reported before the crash (after the checkpoint that held it open): not

@@ -123,7 +123,7 @@ def test_the_validation_file_is_read_with_the_datasets_field_mapping(tmp_path):
     ]
     assert len(load_validation_records(cfg, max_samples=1)) == 1
     missing = cfg.model_copy(update={"validation": str(tmp_path / "nope.jsonl")})
-    with pytest.raises(DatasetError, match="data.validation="):
+    with pytest.raises(DatasetError, match=r"data\.validation="):
         load_validation_records(missing, max_samples=None)
 
 
