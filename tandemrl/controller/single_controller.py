@@ -198,6 +198,7 @@ class SingleController:
                 notify=self._notify,
                 report=self._report_validation,
                 opened=self._validation_opened,
+                progressed=self._validation_progressed,
             )
         # Metrics rows of the validation passes this process reported, in report order.
         self.validation_history: list[dict[str, Any]] = []
@@ -326,6 +327,7 @@ class SingleController:
         finish = asyncio.create_task(
             self.validation.finish(self.trainer_version), name="validation_finish"
         )
+        self.waiting_on["train"] = "validation passes before the end of the run"
         watched = {finish, *(task for task in pending if not task.done())}
         try:
             while not finish.done():
@@ -336,6 +338,10 @@ class SingleController:
                     watched.discard(task)
         finally:
             finish.cancel()
+
+    def _validation_progressed(self) -> None:
+        # A finished validation prompt is progress for the stall watchdog too.
+        self.last_progress_at = time.monotonic()
 
     def _validation_opened(self, opened: OpenPass) -> None:
         if self.journal is not None:

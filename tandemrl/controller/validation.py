@@ -69,7 +69,7 @@ class ValidationSetup:
     fingerprint: str  # of the held-out records, in order
 
 
-# (version, metrics row) -> None: write the finished pass's metrics (the controller).
+# (finished pass, its metrics) -> None: report them once (the controller).
 Report = Callable[[OpenPass, dict[str, float]], None]
 
 
@@ -89,6 +89,7 @@ class ValidationRunner:
         notify: Callable[[], None],
         report: Report,
         opened: Callable[[OpenPass], None] | None = None,
+        progressed: Callable[[], None] | None = None,
     ) -> None:
         self.setup = setup
         self.state = state
@@ -102,6 +103,9 @@ class ValidationRunner:
         self._notify = notify
         self._report = report
         self._opened = opened
+        self._progressed = progressed
+        # Set when a pass opens: with none open the producer sleeps on it, not on every change.
+        self._work = asyncio.Event()
         # (version, prompt index) -> its task, for the prompts in flight.
         self._inflight: dict[tuple[int, int], asyncio.Task[None]] = {}
         self._failure: BaseException | None = None
@@ -139,6 +143,7 @@ class ValidationRunner:
 
     def _announce(self, opened: OpenPass) -> None:
         self._opened_at[opened.version] = time.monotonic()
+        self._work.set()
         if self._opened is not None:
             self._opened(opened)
         log.info(
@@ -172,7 +177,11 @@ class ValidationRunner:
                 for opened in list(self.state.open):
                     if opened.finished and not self._has_inflight(opened.version):
                         self._close(opened)
-                await self._wait_change()
+                if self.state.idle:
+                    self._work.clear()
+                    await self._work.wait()
+                else:
+                    await self._wait_change()
         finally:
             tasks = list(self._inflight.values())
             for task in tasks:
@@ -219,6 +228,8 @@ class ValidationRunner:
         try:
             outcome = await self._outcome(version, index)
             self.state.record(version, outcome)
+            if self._progressed is not None:
+                self._progressed()
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # every worker dead, or a bug: the run must end
