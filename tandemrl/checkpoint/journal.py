@@ -163,13 +163,15 @@ def lineage(events: list[dict[str, Any]]) -> Lineage:
 def reported_validations(events: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     """Version -> metrics row of every validation pass reported in the current lineage: a
     ``start`` that resumed after step N voids the reports of versions above N (those steps
-    are trained again, and their passes run again)."""
+    are trained again, and their passes run again); a fresh start (no bundle: ``source``
+    null) voids them all, as it starts the run's logs over."""
     reported: dict[int, dict[str, Any]] = {}
     for event in events:
         kind = event["event"]
         if kind == "start":
             resumed = int(event.get("resumed_step", 0))
-            reported = {v: row for v, row in reported.items() if v <= resumed}
+            fresh = "source" in event and event["source"] is None
+            reported = {v: row for v, row in reported.items() if v <= resumed and not fresh}
         elif kind == "validated":
             reported[int(event["version"])] = dict(event.get("metrics") or {})
     return reported

@@ -19,7 +19,8 @@ writes ``reward_throughput.png`` (reward_mean per step with the validation curve
 step was logged.
 
 Nothing in ``log_dir`` is touched before the first step is logged: a run that fails during
-setup leaves an earlier run's files as they were.
+setup leaves an earlier run's files as they were. Validation passes reported before it (of
+the initial weights) are held and written with the first step.
 
 Restarts: an existing ``metrics.jsonl`` is appended to, never truncated. With
 ``resume_step=N`` the file is first rewritten atomically keeping only lines with
@@ -172,6 +173,8 @@ class MetricsLogger:
         self._history: list[tuple[int, float, float]] = []
         # Validation passes of this run's history by version (what validation.jsonl holds).
         self._validation: dict[int, dict[str, Any]] = {}
+        # Passes reported before the first step: written with it (see the module docstring).
+        self._held_validation: list[dict[str, Any]] = []
         self._last_step: int | None = None
         self._opened = False
         self._closed = False
@@ -291,6 +294,9 @@ class MetricsLogger:
         self._remember(metrics)
         if self.progress is not None:
             self.progress.update(metrics)
+        held, self._held_validation = self._held_validation, []
+        for row in held:
+            self.log_validation(row)
 
     def log_samples(self, step: int, samples: Sequence[Mapping[str, Any]]) -> None:
         """A few completions of ``step`` with their rewards: ``samples.jsonl`` (one line each,
@@ -319,8 +325,11 @@ class MetricsLogger:
         version = metrics.get("trainer_version")
         if isinstance(version, bool) or not isinstance(version, int):
             raise TypeError(f"validation metrics need an int 'trainer_version', got {version!r}")
-        self._open()
         row = dict(metrics)
+        if not self._opened:
+            self._held_validation.append(row)
+            return
+        self._open()
         replaces = version in self._validation
         self._validation[version] = row
         if self.cfg.jsonl:

@@ -126,6 +126,9 @@ class ValidationState:
         self.open: list[OpenPass] = []
         # Every version up to this one has been checked against the schedule (-1: none yet).
         self.scheduled_through = -1
+        # Versions whose pass was reported (this process, or the run's lineage before a
+        # restart): never opened again.
+        self.reported: set[int] = set()
 
     # ------------------------------------------------------------------ schedule
 
@@ -148,7 +151,9 @@ class ValidationState:
             return None
         return self._open(version)
 
-    def _open(self, version: int) -> OpenPass:
+    def _open(self, version: int) -> OpenPass | None:
+        if version in self.reported:
+            return None
         opened = OpenPass(version=version, pending=list(range(self.num_prompts)))
         self.open.append(opened)
         return opened
@@ -174,10 +179,13 @@ class ValidationState:
                 f"validation pass of version {version} still has {len(opened.pending)} prompt(s)"
             )
         self.open.remove(opened)
+        self.reported.add(version)
         return opened
 
     def forget_reported(self, versions: set[int]) -> list[int]:
-        """Drop open passes whose metrics were reported already (before a restart)."""
+        """Passes of ``versions`` were reported already (before a restart): drop the open
+        ones and never open them again."""
+        self.reported |= versions
         dropped = [p.version for p in self.open if p.version in versions]
         self.open = [p for p in self.open if p.version not in versions]
         return dropped
@@ -223,7 +231,9 @@ class ValidationState:
                     f"validation pass of version {version}: its held-out prompts or "
                     "val_num_generations changed since the checkpoint; it starts over"
                 )
-                self._open(version).restarts = int(entry.get("restarts", 0)) + 1
+                restarted = self._open(version)
+                if restarted is not None:
+                    restarted.restarts = int(entry.get("restarts", 0)) + 1
                 continue
             results = {
                 int(outcome["index"]): PromptOutcome(**outcome) for outcome in entry["results"]

@@ -556,12 +556,14 @@ def audit(checkpoint_dir: Path, shape: RunShape) -> dict[str, Any]:
 
 def validation_audit(events: list[dict[str, Any]]) -> dict[str, Any]:
     """Validation passes in the final lineage: reports per version (a ``start`` that resumed
-    after step N voids the reports of versions above N), and the passes restarts re-opened."""
+    after step N voids the reports of versions above N, a fresh start all of them), and the
+    passes restarts re-opened."""
     reports: Counter[int] = Counter()
     for event in events:
         if event["event"] == "start":
             resumed = int(event.get("resumed_step", 0))
-            reports = Counter({v: n for v, n in reports.items() if v <= resumed})
+            fresh = "source" in event and event["source"] is None
+            reports = Counter({v: n for v, n in reports.items() if v <= resumed and not fresh})
         elif event["event"] == "validated":
             reports[int(event["version"])] += 1
     reopened = [

@@ -362,3 +362,55 @@ def test_the_best_checkpoint_is_kept_besides_the_latest_and_inspect_says_why(tmp
     assert info["best_checkpoint"]["best"]["step"] == best
     text = render_text(info)
     assert f"best checkpoint: step_{best}" in text and "val/reward_mean" in text
+
+
+def test_a_stop_while_the_stand_down_waits_for_a_pass_ends_the_run_without_that_step():
+    cfg = make_cfg(
+        "policy.generation.colocated.enabled=true",
+        "async_rl.min_groups_for_streaming_train=4",
+        "grpo.val_period=2",
+    )
+    engine = RecordingEngine(seed=5)
+    engine.gates = {2: (asyncio.Event(), 0)}  # the pass of version 2 never finishes
+
+    async def stop_soon(controller, row):
+        if row["step"] == 2:
+            asyncio.get_running_loop().call_later(0.2, controller.request_stop)
+
+    sink = RecordingSink()
+    controller, history, trainer = run(cfg, engine, sink=sink, step_hooks=[stop_soon])
+    assert [row["step"] for row in history] == [1, 2]
+    assert trainer.optimizer_steps == 2
+    assert engine.eval_inflight_at_sleep == [0, 0]  # step 3 never stood down
+    assert sink.validation == []  # the open pass is not reported (a restart re-opens it)
+    assert controller.run_state.validation.open_versions() == [2]
+
+
+def test_a_run_whose_last_pass_a_kill_left_open_is_not_complete(tmp_path):
+    from tandemrl.checkpoint.restore import RestorePlan
+    from tandemrl.controller.run import run_already_complete
+
+    cfg = make_cfg("grpo.val_period=2", "grpo.max_num_steps=4")
+    bundle = tmp_path / "step_4"
+    bundle.mkdir()
+    plan = RestorePlan(tmp_path, "latest", trainer_dir=bundle, rollout_dir=bundle, step=4)
+    (bundle / "train_state.json").write_text(json.dumps({"validation": {"open": []}}))
+    assert run_already_complete(cfg, plan)
+    (bundle / "train_state.json").write_text(
+        json.dumps({"validation": {"open": [{"version": 4, "pending": [0], "results": []}]}})
+    )
+    assert not run_already_complete(cfg, plan)
+
+
+def test_the_journal_voids_reports_of_versions_a_restart_trains_again():
+    events = [
+        {"event": "start", "resumed_step": 0, "source": None},
+        {"event": "validated", "version": 0, "metrics": {"val/reward_mean": 0.1}},
+        {"event": "start", "resumed_step": 0, "source": None},  # killed before a bundle
+        {"event": "validated", "version": 0, "metrics": {"val/reward_mean": 0.2}},
+        {"event": "validated", "version": 2, "metrics": {"val/reward_mean": 0.3}},
+        {"event": "validated", "version": 4, "metrics": {"val/reward_mean": 0.4}},
+        {"event": "start", "resumed_step": 3, "source": "ckpt/step_3"},
+    ]
+    reported = reported_validations(events)
+    assert {v: row["val/reward_mean"] for v, row in reported.items()} == {0: 0.2, 2: 0.3}
