@@ -325,7 +325,8 @@ class SingleController:
         request leaves them open in it instead: a restart re-opens them)."""
         assert self.validation is not None
         finish = asyncio.create_task(
-            self.validation.finish(self.trainer_version), name="validation_finish"
+            self.validation.finish(self.trainer_version, lambda: self.stop_requested),
+            name="validation_finish",
         )
         self.waiting_on["train"] = "validation passes before the end of the run"
         watched = {finish, *(task for task in pending if not task.done())}

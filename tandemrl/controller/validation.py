@@ -159,11 +159,11 @@ class ValidationRunner:
         while not self.state.idle and not give_up():
             await self._wait_change()
 
-    async def finish(self, version: int) -> None:
-        """The run ended at ``version``: its val_at_end pass, then every open pass, done."""
+    async def finish(self, version: int, give_up: Callable[[], bool]) -> None:
+        """The run ended at ``version``: its val_at_end pass, then every open pass, done (or
+        ``give_up()``: a stop request leaves them open for a restart)."""
         self.on_weights(version, final=True)
-        while not self.state.idle:
-            await self._wait_change()
+        await self.wait_idle(give_up)
 
     # ------------------------------------------------------------------ the producer
 
