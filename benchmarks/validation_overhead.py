@@ -3,11 +3,12 @@
 The default job (``examples/configs/grpo_tiny_cpu.yaml``: tiny Qwen2, torch generation worker,
 policy worker, object-store weight sync, on local Ray) runs ``--steps`` steps without
 validation and with ``grpo.val_period: 10`` (greedy passes over ``--val-samples`` held-out
-counting prompts on the same generation worker), interleaved: without, with, without, with ...
-(``--repeats`` pairs, one Ray session). Steps/s of a run: the steps after ``--warmup`` divided
-by the sum of their ``step_time_s`` (the wall time between step closes). Ends with one line
-``RESULT {json}``; ``with_over_without_steps_per_s`` is the median of the per-pair ratios
-(goal: at least 0.95).
+counting prompts on the same generation worker), interleaved in ``--repeats`` pairs within one
+Ray session, the order alternating (without-with, with-without, ...) so that a drift of the
+machine's load favours neither, after one short discarded run that pays the cold start.
+Steps/s of a run: the steps after ``--warmup`` divided by the sum of their ``step_time_s`` (the
+wall time between step closes). Ends with one line ``RESULT {json}``;
+``with_over_without_steps_per_s`` is the median of the per-pair ratios (goal: at least 0.95).
 
     python benchmarks/validation_overhead.py [--steps 80] [--repeats 3] [--val-samples 128]
 """
@@ -86,8 +87,15 @@ def main() -> int:
     runs: dict[str, list[dict[str, float]]] = {"without": [], "with": []}
     try:
         with tempfile.TemporaryDirectory(prefix="tandemrl-val-overhead-") as workdir:
-            for _ in range(args.repeats):
-                for validation in (False, True):
+            one_run(  # discarded: builds the tiny model, warms caches
+                Path(workdir),
+                steps=args.warmup + 5,
+                warmup=args.warmup,
+                validation=False,
+                val_samples=args.val_samples,
+            )
+            for pair in range(args.repeats):
+                for validation in (False, True) if pair % 2 == 0 else (True, False):
                     runs["with" if validation else "without"].append(
                         one_run(
                             Path(workdir),
