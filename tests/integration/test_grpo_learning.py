@@ -49,6 +49,7 @@ def test_reward_rises_on_the_counting_task(ray_session, tmp_path):
     passes = [json.loads(line) for line in (tmp_path / "validation.jsonl").read_text().splitlines()]
     assert [p["trainer_version"] for p in passes] == [0, 40, 80, 120, 160]
     held_out = [p["val/reward_mean"] for p in passes]
+    print("held-out val/reward_mean per pass:", held_out, "training reward, last 20:", last)
     assert all(p["val/num_prompts"] == 64 and p["val/failed_completions"] == 0 for p in passes)
     assert held_out[-1] > held_out[0] + 0.1 and max(held_out[-2:]) > last * 0.8, (held_out, last)
 
