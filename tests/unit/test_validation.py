@@ -414,3 +414,21 @@ def test_the_journal_voids_reports_of_versions_a_restart_trains_again():
     ]
     reported = reported_validations(events)
     assert {v: row["val/reward_mean"] for v, row in reported.items()} == {0: 0.2, 2: 0.3}
+
+
+def test_validation_runs_beside_dynamic_sampling_and_reward_shaping():
+    cfg = make_cfg(
+        "grpo.use_dynamic_sampling=true",
+        "grpo.reward_scaling={enabled: true, source_min: 0.0, source_max: 1.0, target_min: -1.0,"
+        " target_max: 1.0}",
+        "grpo.val_period=2",
+        "grpo.val_at_start=true",
+    )
+    engine = RecordingEngine(latency=LatencyModel("uniform", low=0.0, high=0.003), seed=6)
+    sink = RecordingSink()
+    controller, history, _ = run(cfg, engine, sink=sink)
+    assert len(history) == 6
+    assert [row["trainer_version"] for row in sink.validation] == [0, 2, 4, 6]
+    # Held-out rewards are the environment's own: validation is scored, not shaped or scaled.
+    assert all(0.0 <= row["val/reward_mean"] <= 1.0 for row in sink.validation)
+    assert all(g.group_id.startswith("e") for _, g in controller.trained_groups)
