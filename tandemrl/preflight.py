@@ -127,15 +127,23 @@ def _model_problems(
 
 
 def _dataset_problems(cfg: MasterConfig) -> list[str]:
-    from tandemrl.data.dataset import DatasetError, load_prompt_records
+    from tandemrl.data.dataset import DatasetError, load_prompt_records, load_validation_records
 
+    problems = []
     try:
         load_prompt_records(cfg.data)
     except DatasetError as error:
-        return [str(error)]
+        problems.append(str(error))
     except (OSError, UnicodeDecodeError) as error:
-        return [f"data.dataset={cfg.data.dataset!r}: cannot read it ({error})"]
-    return []
+        problems.append(f"data.dataset={cfg.data.dataset!r}: cannot read it ({error})")
+    if cfg.data.validation is not None and cfg.validates:
+        try:
+            load_validation_records(cfg.data, max_samples=cfg.algorithm.max_val_samples)
+        except DatasetError as error:
+            problems.append(str(error))
+        except (OSError, UnicodeDecodeError) as error:
+            problems.append(f"data.validation={cfg.data.validation!r}: cannot read it ({error})")
+    return problems
 
 
 def _teacher_problems(cfg: MasterConfig) -> list[str]:

@@ -10,6 +10,8 @@ which the reader drops):
   which were reused from token-capture staging (on-policy distillation: and how many teacher
   passes this attempt ran for it).
 - ``trained``: a step closed; the groups it trained.
+- ``validation_opened``: a validation pass opened at a trainer version (or was re-opened by a
+  restart); ``validated``: it finished, with the metrics it reported.
 
 ``RunJournal`` implements the pumps' ``OwnershipEvents`` (``tandemrl.rollout.events``): it
 records ``staged``, ``committed`` (as ``generated``), ``evicted`` and ``trained``, and ignores
@@ -22,7 +24,9 @@ attempts. The chaos tests prove exactly-once training from it, and that no finis
 sibling was generated again (``finished_again``). Each ``start`` also records the attempt's
 config fingerprint and what a config change did (``config_change``), so the lineage can say,
 for every trained group, under which attempt's config it was generated
-(``trained_under_another_config``).
+(``trained_under_another_config``). ``reported_validations`` replays it the same way into the
+validation passes reported in the current lineage: a restart re-opens a pass only when none of
+them reported its version, so no version is reported twice.
 """
 
 from __future__ import annotations
@@ -207,3 +211,20 @@ def lineage(events: list[dict[str, Any]]) -> Lineage:
                 ) in restored_staged.get(attempt, set()):
                     result.regenerated_after_restore.append(f"{group}/{sibling}")
     return result
+
+
+def reported_validations(events: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Version -> metrics row of every validation pass reported in the current lineage: a
+    ``start`` that resumed after step N voids the reports of versions above N (those steps
+    are trained again, and their passes run again); a fresh start (no bundle: ``source``
+    null) voids them all, as it starts the run's logs over."""
+    reported: dict[int, dict[str, Any]] = {}
+    for event in events:
+        kind = event["event"]
+        if kind == "start":
+            resumed = int(event.get("resumed_step", 0))
+            fresh = "source" in event and event["source"] is None
+            reported = {v: row for v, row in reported.items() if v <= resumed and not fresh}
+        elif kind == "validated":
+            reported[int(event["version"])] = dict(event.get("metrics") or {})
+    return reported

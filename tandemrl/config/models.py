@@ -125,6 +125,11 @@ class GenerationConfig(Strict):
     weight_sync_timeout_s: float = Field(120.0, gt=0.0)
     # Only for backend "fake" (tests and benchmarks): per-request latency model.
     fake_latency: dict[str, Any] | None = None
+    # Sampling of validation passes (grpo/ppo.val_*): greedy (0) by default. Top-k is not
+    # supported by the engines: val_top_k may only be null, <= 0 (off), or 1 (greedy).
+    val_temperature: float = Field(0.0, ge=0.0)
+    val_top_p: float = Field(1.0, gt=0.0, le=1.0)
+    val_top_k: int | None = None
 
 
 class DTensorConfig(Strict):
@@ -220,11 +225,19 @@ class AlgorithmCommon(Strict):
     # Must be positive: the rollout pump stops when the epoch counter reaches it.
     max_num_epochs: int = 1000
     seed: int = 42
-    # Refused by validation (not implemented on the single-controller path); kept as keys so
-    # that a ported config gets a message that names them instead of "unknown key".
-    val_period: int = 0
+    # Validation passes over data.validation (tandemrl/controller/validation.py): every
+    # val_period trainer versions (0: none), of the initial weights (val_at_start) and of the
+    # final ones (val_at_end).
+    val_period: int = Field(0, ge=0)
     val_at_start: bool = False
     val_at_end: bool = False
+    # Held-out prompts per pass: the first max_val_samples of data.validation (None: all).
+    max_val_samples: int | None = Field(None, ge=1)
+    # Validation prompts in flight at once, out of async_rl.max_inflight_prompts (training
+    # keeps the rest). None: a quarter of max_inflight_prompts, at least 1.
+    val_batch_size: int | None = Field(None, ge=1)
+    # Completions per validation prompt: the k of val/pass@k.
+    val_num_generations: int = Field(1, ge=1)
     # Applied to every completion's reward before it is stored: scaling, then shaping.
     reward_shaping: RewardShapingConfig | None = None
     reward_scaling: RewardScalingConfig | None = None
@@ -501,6 +514,10 @@ class CheckpointingConfig(Strict):
     save_optimizer: bool = True
     # Trainer checkpoints kept on disk (oldest removed first); None keeps all.
     keep_top_k: int | None = Field(None, ge=1)
+    # A validation metric (e.g. val/reward_mean): the best trainer checkpoint by it is kept
+    # besides the latest keep_top_k. None: no ranking.
+    metric_name: str | None = None
+    higher_is_better: bool = True
     # On SIGTERM/SIGINT: seconds to finish the step in flight and write the last checkpoint
     # before the run is stopped without one.
     preemption_grace_s: float = Field(120.0, gt=0.0)
@@ -563,6 +580,9 @@ class DataConfig(Strict):
     # chat only: the JSONL field that may hold a whole conversation, a list of
     # {"role": ..., "content": ...}; a row with it needs no prompt_key field.
     messages_key: str = "messages"
+    # Held-out prompts for validation passes: a source like `dataset` (a JSONL file read with
+    # the same *_key mapping, or a builtin://), never trained on. None: no validation data.
+    validation: str | None = None
 
 
 class EnvConfig(Strict):
@@ -721,6 +741,22 @@ class MasterConfig(Strict):
     @property
     def is_distillation(self) -> bool:
         return self.on_policy_distillation is not None
+
+    @property
+    def validates(self) -> bool:
+        """Whether any validation pass is scheduled (val_period, val_at_start, val_at_end)."""
+        try:
+            algo = self.algorithm
+        except ValueError:  # no algorithm block: validation reports that
+            return False
+        return algo.val_period > 0 or algo.val_at_start or algo.val_at_end
+
+    @property
+    def val_inflight_share(self) -> int:
+        """Validation prompts in flight at once: val_batch_size, by default a quarter of
+        async_rl.max_inflight_prompts (at least 1)."""
+        chosen = self.algorithm.val_batch_size
+        return chosen if chosen is not None else max(1, self.async_rl.max_inflight_prompts // 4)
 
 
 _SAMPLER_ADAPTER: TypeAdapter[Any] = TypeAdapter(SamplerConfig)

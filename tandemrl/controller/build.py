@@ -34,17 +34,21 @@ from tandemrl.controller.single_controller import (
     StepSink,
 )
 from tandemrl.controller.step_runner import GRPOStepRunner, StepRunner
+from tandemrl.controller.validation import ValidationSetup
 from tandemrl.controller.weight_sync import DirectWeightSync, WeightSynchronizer
 from tandemrl.data.dataloader import PromptDataLoader
+from tandemrl.data.dataset import PromptRecord, dataset_fingerprint, load_validation_records
 from tandemrl.dataplane import create_data_plane
 from tandemrl.dataplane.base import DataPlane
 from tandemrl.envs.base import Environment
+from tandemrl.records import PromptItem
 from tandemrl.rollout.events import OwnershipEvents
 from tandemrl.rollout.failures import FailureBudgets
 from tandemrl.rollout.generation_pool import GenerationPool
 from tandemrl.rollout.ledger import OwnershipLedger
 from tandemrl.rollout.manager import RolloutManager, SamplingParams
 from tandemrl.rollout.teachers import TeacherPool, TeacherScorer
+from tandemrl.rollout.validation_state import ValidationSchedule, ValidationState
 from tandemrl.run_state import ControllerState, RunState
 from tandemrl.samplers import PromptGroupSampler, create_sampler
 from tandemrl.training.rewards import RewardTransform
@@ -69,6 +73,8 @@ class ControllerParts:
     coalesce_generate_calls: bool = False
     # Where each step's metrics row is written before its checkpoint (None: kept in history).
     metrics_sink: StepSink | None = None
+    # Held-out prompts for validation passes (default: from cfg.data.validation).
+    validation_prompts: list[PromptItem] | None = None
 
 
 def make_step_runner(
@@ -191,7 +197,10 @@ def build_controller(
         policy_training_start_step=0 if cfg.ppo is None else cfg.ppo.policy_training_start_step,
     )
     check_buffer_capacity(sampler, cfg)
-    data_plane = parts.data_plane or create_data_plane(cfg.data_plane)
+    # "is None": an empty data plane is falsy (it has a length).
+    data_plane = (
+        parts.data_plane if parts.data_plane is not None else create_data_plane(cfg.data_plane)
+    )
     dataloader = parts.dataloader or PromptDataLoader.from_config(
         cfg.data, max_num_epochs=algo.max_num_epochs
     )
@@ -203,6 +212,12 @@ def build_controller(
         # One engine batch per call, so early groups still come back early.
         max_requests_per_call=cfg.policy.generation.max_batch_size,
     )
+    generation_cfg = cfg.policy.generation
+    eos = () if parts.codec.eos_token_id is None else (parts.codec.eos_token_id,)
+    stop_ids = tuple(
+        dict.fromkeys((*generation_cfg.stop_token_ids, *eos, *parts.codec.stop_token_ids))
+    )
+    validation = validation_setup(cfg, parts, stop_ids=stop_ids)
     run_state = RunState(
         controller=ControllerState(),
         buffer=buffer,
@@ -210,6 +225,14 @@ def build_controller(
         ledger=OwnershipLedger(cfg.rollout_recovery, token_capture=cfg.token_capture.enabled),
         budgets=FailureBudgets(failure),
         dataloader=dataloader,
+        validation=None
+        if validation is None
+        else ValidationState(
+            validation.schedule,
+            num_prompts=len(validation.prompts),
+            k=validation.num_generations,
+            fingerprint=validation.fingerprint,
+        ),
     )
     barrier = CheckpointBarrier()
     checkpointer: CheckpointWriter | None = None
@@ -252,11 +275,6 @@ def build_controller(
             )
     teachers = make_teacher_scorer(cfg, parts.teacher_engines)
     distill = cfg.on_policy_distillation
-    generation_cfg = cfg.policy.generation
-    eos = () if parts.codec.eos_token_id is None else (parts.codec.eos_token_id,)
-    stop_ids = tuple(
-        dict.fromkeys((*generation_cfg.stop_token_ids, *eos, *parts.codec.stop_token_ids))
-    )
     manager = RolloutManager(
         buffer=buffer,
         data_plane=data_plane,
@@ -306,6 +324,59 @@ def build_controller(
         commit_log=commit_log,
         watchdog_cfg=cfg.async_rl.stall_watchdog,
         metrics_sink=parts.metrics_sink,
+        validation=validation,
+    )
+
+
+def validation_setup(
+    cfg: MasterConfig, parts: ControllerParts, *, stop_ids: tuple[int, ...]
+) -> ValidationSetup | None:
+    """The held-out prompts and sampling of validation passes; None when none is scheduled."""
+    if not cfg.validates:
+        return None
+    algo = cfg.algorithm
+    prompts = parts.validation_prompts
+    if prompts is None:
+        records = load_validation_records(cfg.data, max_samples=algo.max_val_samples)
+        prompts = [
+            PromptItem(
+                f"val-i{index}",
+                0,
+                index,
+                record.prompt,
+                record.answer,
+                record.task_source,
+                record.agent_ref,
+                dict(record.metadata),
+            )
+            for index, record in enumerate(records)
+        ]
+    generation = cfg.policy.generation
+    # Greedy: val_temperature 0, or top-1 (the same argmax).
+    greedy = generation.val_temperature == 0 or generation.val_top_k == 1
+    return ValidationSetup(
+        prompts=list(prompts),
+        schedule=ValidationSchedule(algo.val_period, algo.val_at_start, algo.val_at_end),
+        num_generations=algo.val_num_generations,
+        inflight_share=cfg.val_inflight_share,
+        sampling=SamplingParams(
+            max_new_tokens=generation.max_new_tokens,
+            temperature=0.0 if greedy else generation.val_temperature,
+            top_p=generation.val_top_p,
+            stop_token_ids=stop_ids,
+            max_total_tokens=cfg.policy.max_total_sequence_length,
+        ),
+        seed=algo.seed,
+        fingerprint=_prompts_fingerprint(prompts),
+    )
+
+
+def _prompts_fingerprint(prompts: list[PromptItem]) -> str:
+    return dataset_fingerprint(
+        [
+            PromptRecord(item.prompt, item.answer, item.task_source, item.agent_ref, item.metadata)
+            for item in prompts
+        ]
     )
 
 

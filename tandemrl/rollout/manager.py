@@ -434,8 +434,15 @@ class RolloutManager:
     async def _score_all(
         self, group: UnfinishedGroup, results: list[GenerationResult]
     ) -> list[EnvResult | DataFailure]:
-        """Score a round's completions with one ``score_group_async`` call (the environment
-        keeps the event loop free: see ``tandemrl.envs.base``); failures per sibling."""
+        return await self.score_results(group.item, results)
+
+    async def score_results(
+        self, item: PromptItem, results: list[GenerationResult], *, log_sample: bool = True
+    ) -> list[EnvResult | DataFailure]:
+        """Score a round's completions of ``item`` with one ``score_group_async`` call (the
+        environment keeps the event loop free: see ``tandemrl.envs.base``); failures per
+        completion. ``log_sample``: the first completion joins the training sample log (not
+        for validation passes)."""
         texts: list[str] = []
         undecodable: dict[int, DataFailure] = {}
         decode, stops = self.codec.decode, self._stop_ids
@@ -449,17 +456,21 @@ class RolloutManager:
             except Exception as exc:  # the codec is user code too: this sibling's data failure
                 undecodable[index] = _as_data_failure(exc)
         if not undecodable:
-            return await self._score_texts(group, results, texts)
+            return await self._score_texts(item, results, texts, log_sample)
         decoded = [result for index, result in enumerate(results) if index not in undecodable]
-        scored = iter(await self._score_texts(group, decoded, texts) if texts else [])
+        scored = iter(await self._score_texts(item, decoded, texts, log_sample) if texts else [])
         return [undecodable.get(index) or next(scored) for index in range(len(results))]
 
     async def _score_texts(
-        self, group: UnfinishedGroup, results: list[GenerationResult], texts: list[str]
+        self,
+        item: PromptItem,
+        results: list[GenerationResult],
+        texts: list[str],
+        log_sample: bool,
     ) -> list[EnvResult | DataFailure]:
         truncated = [result.finish_reason == "length" for result in results]
         try:
-            scored = await self.env.score_group_async(group.item, texts, truncated=truncated)
+            scored = await self.env.score_group_async(item, texts, truncated=truncated)
             if len(scored) != len(texts):
                 raise ValueError(
                     f"{type(self.env).__name__}.score_group_async returned {len(scored)} "
@@ -467,11 +478,11 @@ class RolloutManager:
                 )
         except Exception as exc:  # any exception from user reward code is a data failure
             scored = [exc] * len(texts)
-        if texts and type(scored[0]) is EnvResult:
+        if log_sample and texts and type(scored[0]) is EnvResult:
             self.recent_samples.append(
                 {
-                    "prompt_id": group.item.prompt_id,
-                    "prompt": group.item.prompt,
+                    "prompt_id": item.prompt_id,
+                    "prompt": item.prompt,
                     "completion": texts[0],
                     "reward": float(scored[0].reward),
                     "finish_reason": results[0].finish_reason,

@@ -430,3 +430,15 @@ def test_the_teacher_set_is_part_of_the_restart_identity(tmp_path):
     drop = other.model_copy(deep=True)
     drop.rollout_checkpointing.on_config_change = "drop_rollouts"
     assert plan_restore(drop).config_change is not None
+
+
+def test_a_distillation_run_schedules_validation_passes_like_grpo():
+    cfg = cfg_of(
+        "on_policy_distillation.val_period=2",
+        "data.validation=builtin://counting",
+        "on_policy_distillation.max_val_samples=8",
+    )
+    validate_single_controller_config(cfg)
+    assert cfg.validates
+    with pytest.raises(ConfigError, match=r"data\.validation: required by"):
+        validate_single_controller_config(cfg_of("on_policy_distillation.val_period=2"))
