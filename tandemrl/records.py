@@ -120,3 +120,13 @@ class RowMeta:
     end_weight_version: int
     # Numeric metadata of the environment's result (e.g. ``correct``), averaged per step.
     env_metrics: dict[str, float] | None = None
+
+
+@dataclass(slots=True)
+class TeacherRequest:
+    """One completion a distillation teacher scores: it answers with its logprob of each
+    completion token given everything before it (``log p(token_t | prompt, token_<t)``)."""
+
+    request_id: str  # "{group_id}/{sibling}"
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]

@@ -40,7 +40,7 @@ from tandemrl.checkpoint.commit_log import (
     fold,
     read_log,
 )
-from tandemrl.checkpoint.journal import RunJournal
+from tandemrl.checkpoint.journal import RunJournal, teacher_passes_of
 from tandemrl.checkpoint.layout import CheckpointCorrupt
 from tandemrl.records import PromptItem, RowMeta
 from tandemrl.rollout.ledger import (
@@ -159,12 +159,13 @@ class CommitLogEvents:
         after_write = None
         if journal is not None:
             group_id = group.group_id
+            teacher_passes = teacher_passes_of(group)
 
             def after_write() -> None:
                 # Once the record is written (a process kill no longer loses it), as for
                 # ``staged``: the journal's ``generated`` line then never misses a commit
                 # that a restart replays from the log.
-                journal.generated(group_id, fresh_siblings)
+                journal.generated(group_id, fresh_siblings, teacher_passes)
 
         lsn = self.log.append_then("committed", after_write, group_id=group.group_id, group=entry)
         await self.log.wait_durable(lsn + 1)

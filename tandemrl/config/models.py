@@ -1,9 +1,10 @@
 """Typed models of the master config: every key a user may write, with its default.
 
-The keys follow the reference spec (``policy.generation.*``, ``grpo.*``, ``ppo.*``, ``value.*``,
-``loss_fn.*``, ``async_rl.*``, ``data_plane.*``, ``checkpointing.*``, ``rollout_checkpointing.*``,
-``token_capture.*``, ``rollout_recovery.*``) plus this project's ``data``, ``env``, ``cluster`` and
-``logger`` blocks. Every model forbids unknown keys; cross-field rules live in ``validate.py`` so
+The keys follow the reference spec (``policy.generation.*``, ``grpo.*``, ``ppo.*``,
+``on_policy_distillation.*``, ``value.*``, ``loss_fn.*``, ``async_rl.*``, ``data_plane.*``,
+``checkpointing.*``, ``rollout_checkpointing.*``, ``token_capture.*``, ``rollout_recovery.*``)
+plus this project's ``data``, ``env``, ``cluster`` and ``logger`` blocks. Every model forbids
+unknown keys; cross-field rules live in ``validate.py`` so
 that all violations can be reported together.
 """
 
@@ -145,6 +146,11 @@ class GenerationConfig(Strict):
     fake_latency: dict[str, Any] | None = None
     # The reference spec's expose_http_server: an OpenAI-compatible endpoint for agents.
     http_server: HttpServerConfig = HttpServerConfig()
+    # Sampling of validation passes (grpo/ppo.val_*): greedy (0) by default. Top-k is not
+    # supported by the engines: val_top_k may only be null, <= 0 (off), or 1 (greedy).
+    val_temperature: float = Field(0.0, ge=0.0)
+    val_top_p: float = Field(1.0, gt=0.0, le=1.0)
+    val_top_k: int | None = None
 
 
 class DTensorConfig(Strict):
@@ -240,11 +246,19 @@ class AlgorithmCommon(Strict):
     # Must be positive: the rollout pump stops when the epoch counter reaches it.
     max_num_epochs: int = 1000
     seed: int = 42
-    # Refused by validation (not implemented on the single-controller path); kept as keys so
-    # that a ported config gets a message that names them instead of "unknown key".
-    val_period: int = 0
+    # Validation passes over data.validation (tandemrl/controller/validation.py): every
+    # val_period trainer versions (0: none), of the initial weights (val_at_start) and of the
+    # final ones (val_at_end).
+    val_period: int = Field(0, ge=0)
     val_at_start: bool = False
     val_at_end: bool = False
+    # Held-out prompts per pass: the first max_val_samples of data.validation (None: all).
+    max_val_samples: int | None = Field(None, ge=1)
+    # Validation prompts in flight at once, out of async_rl.max_inflight_prompts (training
+    # keeps the rest). None: a quarter of max_inflight_prompts, at least 1.
+    val_batch_size: int | None = Field(None, ge=1)
+    # Completions per validation prompt: the k of val/pass@k.
+    val_num_generations: int = Field(1, ge=1)
     # Applied to every completion's reward before it is stored: scaling, then shaping.
     reward_shaping: RewardShapingConfig | None = None
     reward_scaling: RewardScalingConfig | None = None
@@ -283,6 +297,59 @@ class PPOConfig(AlgorithmCommon):
     adv_estimator: AdvEstimatorConfig = AdvEstimatorConfig()
     # Legacy async block: must be null on the single-controller path.
     async_ppo: dict[str, Any] | None = None
+
+
+class TeacherConfig(Strict):
+    """One teacher of an on-policy distillation run: a frozen model that scores the student's
+    own tokens, and which rows it serves (``task_sources``, ``agent_refs``, or ``default``)."""
+
+    # Its name in metrics and messages; None: "teacher<index>".
+    name: str | None = None
+    # A local transformers causal-LM folder or a "tiny://<preset>"; its tokenizer must be the
+    # student's (checked by validation for presets, before the run for folders).
+    model_name: str
+    # "auto": CUDA when the run trains on GPUs, else CPU.
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # "auto": bfloat16 on CUDA, float32 on CPU.
+    precision: Literal["auto", "float32", "bfloat16"] = "auto"
+    # Teacher worker processes (Ray actors); calls go to the one with the fewest outstanding.
+    num_workers: int = Field(1, ge=1)
+    # GPUs each worker takes on a GPU run, on devices of their own (colocated_with_trainer
+    # false); a share below 1 packs several workers onto one GPU.
+    gpus_per_worker: float = Field(1.0, gt=0.0, le=1.0)
+    # GPU runs: the workers share the trainer's GPU (half of it in Ray's accounting) instead
+    # of taking their own; a worker refuses to start when the GPU lacks room for its weights.
+    colocated_with_trainer: bool = False
+    # Sequences scored per forward pass.
+    micro_batch_size: int = Field(64, ge=1)
+    # Rows whose data.task_source_key value is one of these (first routing rule).
+    task_sources: list[str] = []
+    # Rows whose data.agent_ref_key value is one of these (second rule).
+    agent_refs: list[str] = []
+    # Rows no other rule matched (at most one teacher).
+    default: bool = False
+
+
+class OnPolicyDistillationConfig(AlgorithmCommon):
+    """The student generates, a teacher scores the student's own tokens, and the student is
+    trained toward it: per token t, A_t = -kl_coef * clamp(log p_student - log p_teacher)
+    (+ reward_coef * the GRPO advantage of the environment reward), through the clipped
+    policy loss (docs/distillation.md)."""
+
+    teachers: list[TeacherConfig] = []
+    # Weight of the per-token reverse-KL advantage.
+    kl_coef: float = Field(1.0, ge=0.0)
+    # Weight of the environment reward's group advantage mixed in (0: pure distillation).
+    reward_coef: float = Field(0.0, ge=0.0)
+    # The per-token log ratio student - teacher is clamped to +-this (None: unclamped).
+    log_ratio_clamp: float | None = Field(10.0, gt=0.0)
+    # The reward advantage (reward_coef > 0) as in grpo.*.
+    normalize_rewards: bool = True
+    use_leave_one_out_baseline: bool = True
+    # Where teachers score a group: "rollout" (a rollout-pump stage before the group commits,
+    # overlapping training) or "train" (in the train pump, beside the trainer's own logprob
+    # pass, before the loss). benchmarks/distill_placement.py measures both.
+    teacher_scoring: Literal["rollout", "train"] = "rollout"
 
 
 class ValueConfig(Strict):
@@ -468,6 +535,10 @@ class CheckpointingConfig(Strict):
     save_optimizer: bool = True
     # Trainer checkpoints kept on disk (oldest removed first); None keeps all.
     keep_top_k: int | None = Field(None, ge=1)
+    # A validation metric (e.g. val/reward_mean): the best trainer checkpoint by it is kept
+    # besides the latest keep_top_k. None: no ranking.
+    metric_name: str | None = None
+    higher_is_better: bool = True
     # On SIGTERM/SIGINT: seconds to finish the step in flight and write the last checkpoint
     # before the run is stopped without one.
     preemption_grace_s: float = Field(120.0, gt=0.0)
@@ -536,6 +607,9 @@ class DataConfig(Strict):
     # chat only: the JSONL field that may hold a whole conversation, a list of
     # {"role": ..., "content": ...}; a row with it needs no prompt_key field.
     messages_key: str = "messages"
+    # Held-out prompts for validation passes: a source like `dataset` (a JSONL file read with
+    # the same *_key mapping, or a builtin://), never trained on. None: no validation data.
+    validation: str | None = None
 
 
 class AgentConfig(Strict):
@@ -633,6 +707,7 @@ class MasterConfig(Strict):
     policy: PolicyConfig = PolicyConfig()
     grpo: GRPOConfig | None = None
     ppo: PPOConfig | None = None
+    on_policy_distillation: OnPolicyDistillationConfig | None = None
     value: ValueConfig | None = None
     value_loss_fn: ValueLossConfig | None = None
     loss_fn: LossConfig = LossConfig()
@@ -693,16 +768,50 @@ class MasterConfig(Strict):
         return data
 
     @property
-    def algorithm(self) -> GRPOConfig | PPOConfig:
+    def algorithm(self) -> GRPOConfig | PPOConfig | OnPolicyDistillationConfig:
         """The one algorithm block present (validation guarantees exactly one)."""
-        block = self.ppo if self.ppo is not None else self.grpo
-        if block is None:
-            raise ValueError("config has neither grpo: nor ppo:")
-        return block
+        return self._algorithm_block()[1]
+
+    @property
+    def algorithm_key(self) -> str:
+        """The name of the algorithm block present: its dotpath prefix in messages."""
+        return self._algorithm_block()[0]
+
+    def _algorithm_block(self) -> tuple[str, GRPOConfig | PPOConfig | OnPolicyDistillationConfig]:
+        blocks: tuple[tuple[str, GRPOConfig | PPOConfig | OnPolicyDistillationConfig | None], ...]
+        blocks = (
+            ("ppo", self.ppo),
+            ("on_policy_distillation", self.on_policy_distillation),
+            ("grpo", self.grpo),
+        )
+        for key, block in blocks:
+            if block is not None:
+                return key, block
+        raise ValueError("config has none of grpo:, ppo:, on_policy_distillation:")
 
     @property
     def is_ppo(self) -> bool:
         return self.ppo is not None
+
+    @property
+    def is_distillation(self) -> bool:
+        return self.on_policy_distillation is not None
+
+    @property
+    def validates(self) -> bool:
+        """Whether any validation pass is scheduled (val_period, val_at_start, val_at_end)."""
+        try:
+            algo = self.algorithm
+        except ValueError:  # no algorithm block: validation reports that
+            return False
+        return algo.val_period > 0 or algo.val_at_start or algo.val_at_end
+
+    @property
+    def val_inflight_share(self) -> int:
+        """Validation prompts in flight at once: val_batch_size, by default a quarter of
+        async_rl.max_inflight_prompts (at least 1)."""
+        chosen = self.algorithm.val_batch_size
+        return chosen if chosen is not None else max(1, self.async_rl.max_inflight_prompts // 4)
 
 
 _SAMPLER_ADAPTER: TypeAdapter[Any] = TypeAdapter(SamplerConfig)
@@ -717,7 +826,11 @@ def _block(data: dict[str, Any], key: str) -> dict[str, Any] | None:
 
 
 def _num_prompts_per_step(data: dict[str, Any]) -> int | None:
-    for key, model in (("ppo", PPOConfig), ("grpo", GRPOConfig)):
+    for key, model in (
+        ("ppo", PPOConfig),
+        ("on_policy_distillation", OnPolicyDistillationConfig),
+        ("grpo", GRPOConfig),
+    ):
         if data.get(key) is None:
             continue
         block = _block(data, key)

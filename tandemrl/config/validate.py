@@ -23,6 +23,7 @@ from tandemrl.config.weight_sync import facts_from_config, weight_sync_problems
 NATIVE_SAVE_BACKENDS = ("local", "simple")
 RESTORE_MODES = ("latest", "trainer_checkpoint")
 SUPPORTED_GENERATION_BACKENDS = ("torch", "vllm", "fake")
+ALGORITHM_BLOCKS = ("grpo", "ppo", "on_policy_distillation")
 
 
 def validate_single_controller_config(cfg: MasterConfig) -> list[str]:
@@ -198,18 +199,23 @@ class _Checker:
     # ------------------------------------------------------------------ algorithm blocks
 
     def check_algorithm_blocks(self) -> str | None:
-        """Exactly one of grpo:/ppo:; returns its name, or None when that rule failed."""
-        cfg = self.cfg
-        if cfg.grpo is not None and cfg.ppo is not None:
+        """Exactly one of grpo:/ppo:/on_policy_distillation:; returns its name, or None when
+        that rule failed."""
+        present = [key for key in ALGORITHM_BLOCKS if getattr(self.cfg, key) is not None]
+        if len(present) > 1:
             self.error(
-                "grpo, ppo: both blocks are present; they are mutually exclusive — keep grpo: "
-                "for a GRPO run or ppo: for a PPO run and delete the other"
+                f"{', '.join(present)}: {len(present)} algorithm blocks are present; they are "
+                "mutually exclusive — keep grpo: (GRPO), ppo: (PPO) or on_policy_distillation: "
+                "(a student trained toward teachers) and delete the others"
             )
             return None
-        if cfg.grpo is None and cfg.ppo is None:
-            self.error("grpo, ppo: neither block is present; add grpo: (GRPO) or ppo: (PPO)")
+        if not present:
+            self.error(
+                "grpo, ppo, on_policy_distillation: neither algorithm block is present; add grpo: "
+                "(GRPO), ppo: (PPO) or on_policy_distillation: (docs/distillation.md)"
+            )
             return None
-        return "ppo" if cfg.ppo is not None else "grpo"
+        return present[0]
 
     def check_algorithm(self, algo: str) -> None:
         """Rules that read the step settings of the one algorithm block."""
@@ -228,15 +234,18 @@ class _Checker:
             for key in ("value", "value_loss_fn"):
                 if getattr(self.cfg, key) is not None:
                     self.error(
-                        f"{key}: only used by PPO; remove it from a GRPO config (or switch "
-                        "grpo: to ppo:)"
+                        f"{key}: only used by PPO; remove it from a {algo} config (or switch "
+                        f"{algo}: to ppo:)"
                     )
+        if algo == "on_policy_distillation":
+            self.check_distillation()
         self.check_warmup_lookahead(algo)
+        self.check_validation(algo)
 
     def check_legacy_and_epochs(self, algo: str) -> None:
         block = self.cfg.algorithm
-        legacy_key = "async_ppo" if algo == "ppo" else "async_grpo"
-        if getattr(block, legacy_key) is not None:
+        legacy_key = {"ppo": "async_ppo", "grpo": "async_grpo"}.get(algo)
+        if legacy_key is not None and getattr(block, legacy_key) is not None:
             self.error(
                 f"{algo}.{legacy_key}: the legacy async block must be null — move its knobs to "
                 f"async_rl.* (see docs/configuration.md, 'Porting a legacy async config') and "
@@ -250,14 +259,6 @@ class _Checker:
             )
 
     def check_unsupported_features(self, algo: str) -> None:
-        block = self.cfg.algorithm
-        for key in ("val_period", "val_at_start", "val_at_end"):
-            value = getattr(block, key)
-            if value if isinstance(value, bool) else value > 0:
-                self.error(
-                    f"{algo}.{key}: validation is not supported on the single-controller path; "
-                    f"remove it (set {algo}.val_period: 0, val_at_start/val_at_end: false)"
-                )
         self.check_rewards(algo)
         self.check_dynamic_sampling(algo)
 
@@ -334,6 +335,12 @@ class _Checker:
                     "remove it"
                 )
             return
+        if algo == "on_policy_distillation":
+            self.error(
+                "on_policy_distillation.use_dynamic_sampling: GRPO only — a distillation "
+                "group's advantage is the per-token KL to its teacher, which is not 0 when its "
+                "rewards are all equal; set it to false"
+            )
         if algo == "ppo":
             self.error(
                 "ppo.use_dynamic_sampling: GRPO only — it drops groups whose rewards are all "
@@ -521,6 +528,104 @@ class _Checker:
                 f"async_rl.sampler.warmup_lookahead_versions: {warmup} is below "
                 f"async_rl.sampler.max_lookahead_versions ({sampler.max_lookahead_versions}); "
                 "the warm-up window may only be wider — raise it or remove it"
+            )
+
+    # ------------------------------------------------------------------ distillation
+
+    def check_distillation(self) -> None:
+        """Teachers, their routes and the loss of an on_policy_distillation run."""
+        from tandemrl.config.distillation import distillation_problems
+
+        self.errors.extend(distillation_problems(self.cfg))
+
+    # ------------------------------------------------------------------ validation
+
+    def check_validation(self, algo: str) -> None:
+        """Validation passes: held-out data, a share of the in-flight budget, sampling the
+        engines support, a best-checkpoint metric a pass reports."""
+        cfg = self.cfg
+        block = cfg.algorithm
+        generation = cfg.policy.generation
+        if not cfg.validates:
+            if cfg.data.validation is not None:
+                self.error(
+                    f"data.validation: set, but no validation pass is scheduled ({algo}."
+                    f"val_period: 0, val_at_start and val_at_end false); set {algo}.val_period "
+                    "(or val_at_start/val_at_end), or remove data.validation"
+                )
+            for key, default in (
+                ("max_val_samples", None),
+                ("val_batch_size", None),
+                ("val_num_generations", 1),
+            ):
+                if getattr(block, key) != default:
+                    self.warn(f"{algo}.{key}: has no effect while no validation pass is scheduled")
+            self.check_best_checkpoint_metric(algo)
+            return
+        if cfg.data.validation is None:
+            keys = [
+                key for key in ("val_period", "val_at_start", "val_at_end") if getattr(block, key)
+            ]
+            self.error(
+                f"data.validation: required by {', '.join(f'{algo}.{k}' for k in keys)} — a "
+                "validation pass needs held-out prompts; set data.validation to a JSONL file "
+                "(read with data.prompt_key/answer_key) or a builtin:// dataset, or set "
+                f"{algo}.val_period: 0 and val_at_start/val_at_end: false"
+            )
+        share, budget = cfg.val_inflight_share, cfg.async_rl.max_inflight_prompts
+        if share >= budget:
+            self.error(
+                f"{algo}.val_batch_size: {share} validation prompts in flight would leave "
+                f"training no slot of async_rl.max_inflight_prompts ({budget}); set it below "
+                f"{budget} (the default is a quarter of max_inflight_prompts)"
+            )
+        top_k = generation.val_top_k
+        # Greedy (temperature 0, or top-1) needs no top-k sampling.
+        greedy = generation.val_temperature == 0 or top_k == 1
+        if top_k is not None and top_k > 1 and not greedy:
+            self.error(
+                f"policy.generation.val_top_k: {top_k} needs top-k sampling, which TandemRL's "
+                "engines do not support; set it to null (or -1), use val_top_p, or sample "
+                "greedily (val_temperature: 0)"
+            )
+        k = block.val_num_generations
+        if k > 1 and greedy:
+            self.error(
+                f"{algo}.val_num_generations: {k} greedy completions of one prompt are all the "
+                f"same (val_temperature 0 or val_top_k 1 is greedy), so pass@{k} would equal "
+                "pass@1; set policy.generation.val_temperature above 0 to sample them, or "
+                f"{algo}.val_num_generations: 1"
+            )
+        self.check_best_checkpoint_metric(algo)
+
+    def check_best_checkpoint_metric(self, algo: str) -> None:
+        ckpt = self.cfg.checkpointing
+        name = ckpt.metric_name
+        if name is None:
+            return
+        if not ckpt.enabled:
+            self.error(
+                f"checkpointing.metric_name: {name!r} ranks trainer checkpoints, but "
+                "checkpointing.enabled is false; enable checkpointing or remove metric_name"
+            )
+        if not self.cfg.validates:
+            self.error(
+                f"checkpointing.metric_name: {name!r} is a validation metric, and no validation "
+                f"pass is scheduled; set {algo}.val_period (and data.validation), or remove "
+                "metric_name"
+            )
+            return
+        from tandemrl.rollout.validation_state import metric_name_problem
+
+        problem = metric_name_problem(name, k=self.cfg.algorithm.val_num_generations)
+        if problem is not None:
+            self.error(f"checkpointing.metric_name: {problem}")
+        period, save_period = self.cfg.algorithm.val_period, ckpt.save_period
+        if ckpt.enabled and period and period % save_period:
+            self.warn(
+                f"checkpointing.metric_name: {algo}.val_period {period} is not a multiple of "
+                f"checkpointing.save_period {save_period}, so some validated versions have no "
+                "trainer checkpoint to keep; make val_period a multiple of save_period"
             )
 
     # ------------------------------------------------------------------ failure budgets
@@ -736,6 +841,17 @@ class _Checker:
             self.error(
                 "env.name: agent trains with GRPO only; replace ppo: with grpo: (agent "
                 "episodes under PPO are not supported)"
+            )
+        if cfg.on_policy_distillation is not None:
+            self.error(
+                "on_policy_distillation: not supported with env.name: agent (teachers score "
+                "single completions, not agent episodes); use grpo: or a single-turn env"
+            )
+        if cfg.validates:
+            self.error(
+                "validation passes (val_period / val_at_start / val_at_end) are not supported "
+                "with env.name: agent (they score single completions with an environment); "
+                "turn them off"
             )
         if not cfg.loss_fn.token_level_loss and cfg.token_capture.on_prefix_mismatch == "split":
             self.error(

@@ -102,6 +102,7 @@ class SingleControllerActor:
         restore_plan: RestorePlan,
         *,
         value_trainer_handle: Any = None,
+        teacher_handles: list[list[Any]] | None = None,
         weight_sync: str = "object_store",
         overwrite_logs: bool = False,
     ) -> None:
@@ -113,6 +114,8 @@ class SingleControllerActor:
         self.engine_handles = list(engine_handles)
         self.restore_plan = restore_plan
         self.value_trainer_handle = value_trainer_handle  # PPO critic; None on GRPO
+        # On-policy distillation: each teacher's worker actors.
+        self.teacher_handles = teacher_handles or []
         self.weight_sync = weight_sync  # the transport settled at launch
         self.overwrite_logs = overwrite_logs
         self.controller: SingleController | None = None
@@ -140,6 +143,11 @@ class SingleControllerActor:
             else ActorProxy(self.value_trainer_handle),
             coalesce_generate_calls=True,
             metrics_sink=metrics,
+            teacher_engines=[
+                [ActorProxy(handle) for handle in workers] for workers in self.teacher_handles
+            ]
+            if self.cfg.is_distillation
+            else None,
         )
         return build_controller(self.cfg, parts, model_path=self.model_path)
 

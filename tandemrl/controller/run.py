@@ -37,6 +37,7 @@ from tandemrl.checkpoint.restore import (
     log_config_change,
     plan_restore,
 )
+from tandemrl.checkpoint.rollout_state import open_validation_versions
 from tandemrl.config import MasterConfig, validate_single_controller_config
 from tandemrl.controller.mps import MpsUnavailable, start_if_useful
 from tandemrl.metrics.logger import previous_run_files
@@ -146,7 +147,11 @@ def plan_run(cfg: MasterConfig) -> RestorePlan:
 
 
 def run_already_complete(cfg: MasterConfig, plan: RestorePlan) -> bool:
-    return not plan.fresh and plan.step >= cfg.algorithm.max_num_steps
+    """Every step is trained, and no validation pass is left open in the checkpoint (one that
+    a kill interrupted after the last step still runs)."""
+    if plan.fresh or plan.step < cfg.algorithm.max_num_steps:
+        return False
+    return plan.rollout_dir is None or not open_validation_versions(plan.rollout_dir)
 
 
 def run_training(cfg: MasterConfig, *, overwrite_logs: bool = False) -> int:
@@ -171,7 +176,7 @@ def run_training(cfg: MasterConfig, *, overwrite_logs: bool = False) -> int:
             plan.step,
             cfg.algorithm.max_num_steps,
             plan.trainer_dir,
-            "ppo" if cfg.is_ppo else "grpo",
+            cfg.algorithm_key,
         )
         return EXIT_OK
     check_run_can_start(cfg, plan, overwrite_logs=overwrite_logs)

@@ -15,6 +15,11 @@ Train pump, per RL step:
     trainer_version += 1 → weight sync (rollout permission closed meanwhile; with the drain
     gate, in-flight groups finish on the old weights first, or are generated again after it)
 
+Validation (``tandemrl.controller.validation``) is a third producer on the same loop and the
+same generation workers: a pass opens after the weight sync that brings its version, holds a
+share of ``max_inflight_prompts`` while it has prompts left, and is reported once; it never
+touches the buffer, the ledger, the data plane or the sampler.
+
 Both pumps share one ``asyncio`` loop; nothing here blocks it. A crash in either pump ends
 the run with the original exception; in-flight rollouts are cancelled on exit (they stay in
 the ownership ledger, so a checkpoint written then still owns them).
@@ -41,7 +46,7 @@ from typing import Any, Protocol
 from tandemrl.barrier import CheckpointBarrier
 from tandemrl.buffer import Slot
 from tandemrl.checkpoint.commit_log import CommitLog
-from tandemrl.checkpoint.journal import RunJournal
+from tandemrl.checkpoint.journal import RunJournal, read_journal, reported_validations
 from tandemrl.checkpoint.restore import RestorePlan, resume
 from tandemrl.checkpoint.writer import CheckpointWriter
 from tandemrl.config.models import StallWatchdogConfig
@@ -49,6 +54,7 @@ from tandemrl.controller.dynamic_sampling import DynamicSampling
 from tandemrl.controller.eviction_warning import EvictionWatch
 from tandemrl.controller.step_metrics import StepAccumulator, TrainedGroup, episode_rewards
 from tandemrl.controller.step_runner import StepRunner
+from tandemrl.controller.validation import ValidationRunner, ValidationSetup, describe_pass
 from tandemrl.controller.watchdog import stall_watchdog
 from tandemrl.controller.weight_sync import WeightSynchronizer
 from tandemrl.dataplane.base import DataPlane
@@ -58,6 +64,7 @@ from tandemrl.rollout.failures import RolloutDropped
 from tandemrl.rollout.generation_pool import GenerationPool
 from tandemrl.rollout.ledger import UnfinishedGroup
 from tandemrl.rollout.manager import GroupAborted, RolloutManager
+from tandemrl.rollout.validation_state import OpenPass
 from tandemrl.run_state import RunState
 from tandemrl.training.api import Trainer
 
@@ -115,6 +122,9 @@ class StepSink(Protocol):
 
     def log_samples(self, step: int, samples: Sequence[Mapping[str, Any]]) -> None: ...
 
+    def log_validation(self, metrics: Mapping[str, Any]) -> None:
+        """A validation pass's metrics (``trainer_version`` is the version it evaluated)."""
+
 
 class SingleController:
     def __init__(
@@ -137,6 +147,7 @@ class SingleController:
         watchdog_cfg: StallWatchdogConfig | None = None,
         metrics_sink: StepSink | None = None,
         services: list[RunService] | None = None,
+        validation: ValidationSetup | None = None,
     ) -> None:
         self.settings = settings
         self.services = list(services or [])
@@ -194,6 +205,28 @@ class SingleController:
         self._history_taken = 0  # rows taken and forgotten before history[0]
         # (step index, group) for every group trained by this process: the per-run record.
         self.trained_groups: list[tuple[int, TrainedGroup]] = []
+        # The third producer (None: no validation pass is scheduled).
+        self.validation: ValidationRunner | None = None
+        if validation is not None:
+            if run_state.validation is None:
+                raise ValueError("validation needs run_state.validation (its ValidationState)")
+            self.validation = ValidationRunner(
+                validation,
+                state=run_state.validation,
+                generation=generation,
+                scorer=rollout_manager,
+                failure_cfg=rollout_manager.failure_cfg,
+                max_inflight_prompts=settings.max_inflight_prompts,
+                training_inflight=lambda: len(self._inflight),
+                dispatch_allowed=self._rollout_permission.is_set,
+                wait_change=self._wait_change,
+                notify=self._notify,
+                report=self._report_validation,
+                opened=self._validation_opened,
+                progressed=self._validation_progressed,
+            )
+        # Metrics rows of the validation passes this process reported, in report order.
+        self.validation_history: list[dict[str, Any]] = []
         self.dynamic_sampling = (
             None
             if settings.dynamic_sampling_max_gen_batches is None
@@ -243,13 +276,27 @@ class SingleController:
             if not plan.fresh:
                 raise ValueError(f"cannot {plan.describe()}: checkpointing is off")
             return {"commit_log_tip": None}
-        return await resume(
+        summary = await resume(
             plan,
             self.checkpointer,
             replayed_rows=self.rollout_manager,
             sync_weights=self.weight_sync.sync,
             journal=self.journal,
         )
+        self._restore_validation()
+        return summary
+
+    def _restore_validation(self) -> None:
+        """Passes the run journal shows reported (in this lineage) are never re-opened; the
+        checkpoint writer ranks checkpoints with their scores."""
+        if self.validation is None or self.journal is None or not self.journal.path.is_file():
+            return
+        reported = reported_validations(read_journal(self.journal.path))
+        dropped = self.validation.state.forget_reported(set(reported))
+        for version in dropped:
+            log.info("validation pass of version %d was reported before the restart", version)
+        if self.checkpointer is not None:
+            self.checkpointer.seed_validation_scores(reported)
 
     async def run(self) -> list[dict[str, float]]:
         """Run both pumps until max_num_steps or the data runs out; return per-step metrics."""
@@ -268,9 +315,17 @@ class SingleController:
                 await service.stop()
 
     async def _run_pumps(self, fatal: asyncio.Future[None]) -> list[dict[str, float]]:
+        if self.validation is not None:
+            # Passes a restore re-opened continue; val_at_start opens version 0's pass.
+            self.validation.resume_open_passes()
+            self.validation.on_weights(
+                self.trainer_version, final=self.state.step >= self.settings.max_num_steps
+            )
         rollout = asyncio.create_task(self._rollout_pump(), name="rollout_pump")
         train = asyncio.create_task(self._train_pump(), name="train_pump")
         background = [rollout]
+        if self.validation is not None:
+            background.append(asyncio.create_task(self.validation.run(), name="validation"))
         if self.watchdog_cfg is not None and self.watchdog_cfg.enabled:
             background.append(
                 asyncio.create_task(stall_watchdog(self, self.watchdog_cfg), name="watchdog")
@@ -298,6 +353,9 @@ class SingleController:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     task.result()  # re-raises a pump's exception with its original traceback
+            if self.validation is not None and not self.stop_requested:
+                rollout.cancel()  # no more training rollouts: the run's last step is done
+                await self._finish_validation(pending)
             await self._final_checkpoint()
         finally:
             gc.set_threshold(*thresholds)
@@ -305,6 +363,60 @@ class SingleController:
             self._collect_fatal(raised=sys.exc_info()[1])
             await self.shutdown(*background, train)
         return self.history
+
+    async def _finish_validation(self, pending: set[asyncio.Future[Any]]) -> None:
+        """The val_at_end pass and every open pass end before the final checkpoint (a stop
+        request leaves them open in it instead: a restart re-opens them)."""
+        assert self.validation is not None
+        finish = asyncio.create_task(
+            self.validation.finish(self.trainer_version, lambda: self.stop_requested),
+            name="validation_finish",
+        )
+        self.waiting_on["train"] = "validation passes before the end of the run"
+        watched = {finish, *(task for task in pending if not task.done())}
+        try:
+            while not finish.done():
+                done, _ = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if task is not finish and not task.cancelled():
+                        task.result()  # a failed pass, a watchdog abort: re-raised here
+                    watched.discard(task)
+        finally:
+            finish.cancel()
+
+    def _validation_progressed(self) -> None:
+        # A finished validation prompt is progress for the stall watchdog too.
+        self.last_progress_at = time.monotonic()
+
+    def _validation_opened(self, opened: OpenPass) -> None:
+        if self.journal is not None:
+            self.journal.record(
+                "validation_opened",
+                version=opened.version,
+                pending=len(opened.pending),
+                kept=len(opened.results),
+                restarts=opened.restarts,
+            )
+
+    def _report_validation(self, opened: OpenPass, metrics: dict[str, float]) -> None:
+        """A finished pass, reported once: the metrics sink first, then the run journal (the
+        record a restart reads), then the checkpoint writer (best-checkpoint ranking)."""
+        row: dict[str, Any] = {
+            "trainer_version": opened.version,
+            "reported_at_step": self.state.step,
+            **metrics,
+        }
+        self.validation_history.append(row)
+        if self.metrics_sink is not None:
+            self.metrics_sink.log_validation(row)
+        if self.journal is not None:
+            self.journal.record(
+                "validated", version=opened.version, restarts=opened.restarts, metrics=row
+            )
+        if self.checkpointer is not None:
+            self.checkpointer.note_validation(opened.version, row)
+        assert self.validation is not None
+        log.info("%s", describe_pass(opened.version, row, self.validation.setup.num_generations))
 
     def _collect_fatal(self, *, raised: BaseException | None) -> None:
         """Read the fatal future's exception, so none is left unretrieved (asyncio would log it
@@ -406,8 +518,9 @@ class SingleController:
 
     def _no_room(self) -> bool:
         """True while the in-flight cap or the buffer's capacity holds the next group back."""
+        held = 0 if self.validation is None else self.validation.slots_held
         return (
-            len(self._inflight) >= self.settings.max_inflight_prompts
+            len(self._inflight) + held >= self.settings.max_inflight_prompts
             or not self.buffer.has_capacity()
         )
 
@@ -569,6 +682,9 @@ class SingleController:
             self.waiting_on["train"] = f"training chunk of {len(slots)} group(s)"
             if not began:
                 if self.settings.stands_down:
+                    if not await self._validation_done_before_stand_down():
+                        await self._roll_back([*claimed, *slots])
+                        return False
                     await self.generation.sleep()
                 await self.step_runner.begin(version=version)
                 began = True
@@ -593,6 +709,15 @@ class SingleController:
             self.waiting_on["train"] = "weight sync"
             await tail
         return True
+
+    async def _validation_done_before_stand_down(self) -> bool:
+        """Colocated with a stand-down: open validation passes end while the engine is still
+        awake. False when a stop request came meanwhile (the step is not trained)."""
+        if self.validation is None or self.validation.idle:
+            return True
+        self.waiting_on["train"] = "validation pass (before the stand-down)"
+        await self.validation.wait_idle(lambda: self.stop_requested)
+        return not self.stop_requested
 
     def _tail_may_overlap(self) -> bool:
         """Whether the next step may train while this step's weights travel to generation.
@@ -743,6 +868,11 @@ class SingleController:
             await self._redispatch_drained()
             if not awake:
                 await self.generation.wake()
+            if self.validation is not None:
+                # Generation holds this version now: its pass (when due) is pinned to it.
+                self.validation.on_weights(
+                    self.trainer_version, final=self.state.step >= self.settings.max_num_steps
+                )
         finally:
             self._rollout_permission.set()
             self._notify()

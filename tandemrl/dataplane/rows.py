@@ -21,6 +21,10 @@ completion tokens, ``T = P + C``):
 - ``generation_logprobs`` [T] float32: the generator's logprob of each sampled token at its
   position (entry t is log p(input_ids[t] | input_ids[:t])), 0 where ``token_mask`` is 0
 - ``reward`` [] float32 and ``sample_mask`` [] float32 (0 excludes the row from the loss)
+- on-policy distillation: ``teacher_index`` [] int16, which teacher serves the row (its index
+  in ``on_policy_distillation.teachers``); when the teachers score in the rollout pump also
+  ``teacher_logprobs`` [T] float32, that teacher's logprob of each completion token at its
+  position (as ``generation_logprobs``), 0 on the prompt
 - optional, added by the advantage / value stages: ``advantages`` ([T], or [] for one value
   per sequence, broadcast over the completion), ``values`` [T], ``returns`` [T],
   ``prev_logprobs`` [T]
@@ -39,6 +43,10 @@ from tandemrl.dataplane.base import BUFFER_DTYPES, RowBlock
 
 # Fields every row must hold.
 REQUIRED_ROW_KEYS = ("input_ids", "token_mask", "generation_logprobs", "reward", "sample_mask")
+# On-policy distillation: the per-token field of the teacher's logprobs, and the per-row
+# field of the serving teacher's index.
+TEACHER_LOGPROBS = "teacher_logprobs"
+TEACHER_INDEX = "teacher_index"
 
 
 class RowError(ValueError):
@@ -123,8 +131,12 @@ def make_group_block(
     completion_logprobs: Sequence[Sequence[float]],
     rewards: Sequence[float],
     sample_masks: Sequence[float],
+    teacher_index: int | None = None,
+    teacher_logprobs: Sequence[Sequence[float]] | None = None,
 ) -> RowBlock:
-    """One prompt group's rows as a ``RowBlock``; row ``i`` equals ``make_training_row``'s.
+    """One prompt group's rows as a ``RowBlock``; row ``i`` equals ``make_training_row``'s
+    (plus, when given, ``teacher_index`` on every row and ``teacher_logprobs``: one list per
+    completion, as its logprobs).
 
     Per-token fields are [N, P + longest completion] (right padded with 0), ``reward`` and
     ``sample_mask`` are [N]. The block holds flat buffers; no tensor is made until someone
@@ -165,18 +177,27 @@ def make_group_block(
         if length < longest:
             token_ids += [0] * (longest - length)
             logprobs += [0.0] * (longest - length)
+    per_token = {
+        "input_ids": _flat_buffer("q", token_ids),
+        "token_mask": _group_token_mask(num_prompt, completion_lengths),
+        "generation_logprobs": _flat_buffer("f", logprobs),
+    }
+    if teacher_logprobs is not None:
+        per_token[TEACHER_LOGPROBS] = _flat_buffer(
+            "f",
+            _padded_completion_values(num_prompt, longest, completion_lengths, teacher_logprobs),
+        )
+    per_row = {
+        "reward": _flat_buffer("f", rewards),
+        "sample_mask": _flat_buffer("f", sample_masks),
+    }
+    if teacher_index is not None:
+        per_row[TEACHER_INDEX] = array("h", [teacher_index] * count)
     return RowBlock.from_buffers(
         sample_ids,
         [num_prompt + length for length in completion_lengths],
-        per_token={
-            "input_ids": _flat_buffer("q", token_ids),
-            "token_mask": _group_token_mask(num_prompt, completion_lengths),
-            "generation_logprobs": _flat_buffer("f", logprobs),
-        },
-        per_row={
-            "reward": _flat_buffer("f", rewards),
-            "sample_mask": _flat_buffer("f", sample_masks),
-        },
+        per_token=per_token,
+        per_row=per_row,
     )
 
 
@@ -247,3 +268,29 @@ def make_sequence_block(
             "sample_mask": _flat_buffer("f", sample_masks),
         },
     )
+
+
+def _padded_completion_values(
+    num_prompt: int,
+    longest: int,
+    completion_lengths: Sequence[int],
+    values: Sequence[Sequence[float]],
+) -> list[float]:
+    """Per-completion-token values laid out like ``generation_logprobs`` (0 on the prompt and
+    the padding), flat over the group."""
+    if len(values) != len(completion_lengths):
+        raise RowError(
+            f"{len(values)} teacher logprob lists for {len(completion_lengths)} completions"
+        )
+    flat: list[float] = []
+    prompt_zeros = [0.0] * num_prompt
+    for length, row_values in zip(completion_lengths, values, strict=True):
+        if len(row_values) != length:
+            raise RowError(
+                f"completion has {length} tokens but {len(row_values)} teacher logprobs; a "
+                "teacher must score every completion token"
+            )
+        flat += prompt_zeros
+        flat += row_values
+        flat += [0.0] * (longest - length)
+    return flat

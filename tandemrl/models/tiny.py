@@ -371,3 +371,27 @@ def load_causal_lm(
 
 def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(str(path))
+
+
+def preset_tokenizer_signature(model_name: str) -> tuple[str, ...] | None:
+    """What a ``tiny://`` preset's tokenizer is made of (its special tokens, alphabet and chat
+    tokens), read from the preset without any file; None for a folder or an unknown preset."""
+    if not model_name.startswith(TINY_SCHEME):
+        return None
+    preset = TINY_PRESETS.get(model_name[len(TINY_SCHEME) :])
+    if preset is None:
+        return None
+    return (*SPECIAL_TOKENS, preset.alphabet, *preset.extra_special_tokens)
+
+
+def tokenizer_signature(tokenizer: PreTrainedTokenizerBase) -> str:
+    """sha256 of a loaded tokenizer's vocabulary (token → id, added tokens included) and its
+    special token ids: two tokenizers with one signature map every text to the same ids."""
+    payload = {
+        "vocab": sorted(tokenizer.get_vocab().items()),
+        "special": {
+            name: getattr(tokenizer, name, None)
+            for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
+        },
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()

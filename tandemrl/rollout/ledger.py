@@ -43,9 +43,15 @@ class UnfinishedGroup:
     staged: dict[int, StagedSibling] = field(default_factory=dict)
     # True once the group was carried over a restart (for metrics and tests).
     recovered: bool = False
+    # On-policy distillation: each sibling's teacher logprobs, one per completion token (the
+    # teachers' rollout-pump stage sets them just before the commit; None until then).
+    teacher_logprobs: list[list[float]] | None = None
+    # Teacher passes this process ran for the group (the run journal records it at commit).
+    teacher_passes: int = 0
 
     def discard_staged(self) -> None:
         self.staged.clear()
+        self.teacher_logprobs = None
 
 
 def resolve_granularity(
@@ -112,7 +118,7 @@ def group_entry(group: UnfinishedGroup, *, with_staged: bool) -> dict[str, Any]:
     staged = {}
     if with_staged:
         staged = {str(index): staged_entry(sibling) for index, sibling in group.staged.items()}
-    return {
+    entry: dict[str, Any] = {
         "item": {name: getattr(group.item, name) for name in _ITEM_FIELDS},
         "group_id": group.group_id,
         "target_step": group.target_step,
@@ -120,6 +126,11 @@ def group_entry(group: UnfinishedGroup, *, with_staged: bool) -> dict[str, Any]:
         "granularity": group.granularity,
         "staged": staged,
     }
+    if with_staged and group.teacher_logprobs is not None:
+        # The commit log's record of a committed group: replay rebuilds its rows with them,
+        # so no teacher scores a committed group twice.
+        entry["teacher_logprobs"] = group.teacher_logprobs
+    return entry
 
 
 class OwnershipLedger:
@@ -198,6 +209,7 @@ class OwnershipLedger:
                         granularity=granularity,
                         staged=staged,
                         recovered=True,
+                        teacher_logprobs=raw.get("teacher_logprobs"),
                     )
                 )
         except (KeyError, TypeError, ValueError) as exc:

@@ -13,7 +13,11 @@ rollout:
 3. retry failures by class (infrastructure with capped backoff, data without), at the
    group's recovery granularity: ``sibling`` regenerates only the failed siblings,
    ``prompt_group`` regenerates all of them;
-4. once every sibling finished, turn each environment reward into the reward the rows carry
+4. on-policy distillation with ``teacher_scoring: rollout``: once every sibling finished, the
+   prompt's teacher scores the group's completions (``tandemrl.rollout.teachers``; a dead
+   teacher worker is retried like a generation failure), and the logprobs become the rows'
+   ``teacher_logprobs`` field and part of the commit log record;
+5. once every sibling finished, turn each environment reward into the reward the rows carry
    (``reward_scaling``, then ``reward_shaping``: ``tandemrl.training.rewards``), and write the
    group's rows to the data plane as one ``RowBlock``
    (``put_block``), then commit the slot with the observed ``end_weight`` — both under the
@@ -48,7 +52,14 @@ from tandemrl.config.models import RolloutFailureConfig
 from tandemrl.dataplane.base import DataPlane, RowBlock
 from tandemrl.dataplane.rows import make_group_block, make_sequence_block
 from tandemrl.envs.base import Environment
-from tandemrl.records import EnvResult, GenerationRequest, GenerationResult, PromptItem, RowMeta
+from tandemrl.records import (
+    EnvResult,
+    GenerationRequest,
+    GenerationResult,
+    PromptItem,
+    RowMeta,
+    TeacherRequest,
+)
 from tandemrl.rollout.events import OwnershipEvents
 from tandemrl.rollout.failures import (
     DataFailure,
@@ -65,6 +76,7 @@ from tandemrl.rollout.generation_pool import (
     within_awake_time,
 )
 from tandemrl.rollout.ledger import OwnershipLedger, StagedSibling, UnfinishedGroup
+from tandemrl.rollout.teachers import NoTeacherWorkers, TeacherScorer
 from tandemrl.rollout.token_capture import OnPrefixMismatch, merge_turns
 from tandemrl.training.rewards import RewardTransform
 
@@ -163,6 +175,8 @@ class RolloutManager:
         events: OwnershipEvents | None = None,
         agents: EpisodeRunner | None = None,
         reward_transform: RewardTransform | None = None,
+        teachers: TeacherScorer | None = None,
+        teacher_stage: bool = False,
     ) -> None:
         self.buffer = buffer
         self.data_plane = data_plane
@@ -186,6 +200,11 @@ class RolloutManager:
         self.seed = seed
         # The journal and/or the commit log; None when neither is on.
         self.events = events
+        # On-policy distillation: the teachers (each row records its teacher's index) and
+        # whether they score each group here, before its commit (teacher_scoring: rollout).
+        self.teachers = teachers
+        self.teacher_stage = teacher_stage and teachers is not None
+        self.teacher_passes = 0  # groups scored by the teacher stage (metrics, chaos proofs)
         # The latest completions with their rewards, for the metrics' sample log.
         self.recent_samples: deque[dict[str, object]] = deque(maxlen=RECENT_SAMPLES)
         self.generated_siblings = 0  # completions produced by the engines (metrics, chaos proofs)
@@ -228,10 +247,15 @@ class RolloutManager:
         """Drive ``group`` to a committed slot; raise RolloutDropped when it is dropped."""
         reused = set(group.staged)
         try:
+            if self.teachers is not None:
+                self._check_teacher(group, self.teachers)
             if self.agents is None:
                 await self._generate_all_siblings(group)
             else:
                 await self._run_all_episodes(group, self.agents)
+            if self.teacher_stage and group.teacher_logprobs is None:
+                assert self.teachers is not None
+                await self._teacher_pass(group, self.teachers)
             await self._push_and_commit(group, reused)
         except RolloutDropped as dropped:
             dropped.slot = await self._drop(group)
@@ -410,6 +434,44 @@ class RolloutManager:
             if (failed_any or infra is not None) and group.granularity == "prompt_group":
                 group.discard_staged()
 
+    def _check_teacher(self, group: UnfinishedGroup, teachers: TeacherScorer) -> None:
+        """A prompt no teacher serves is dropped before anything is generated for it."""
+        try:
+            teachers.index_for(group.item)
+        except DataFailure as failure:
+            self._drop_unretryable(group, failure)
+
+    async def _teacher_pass(self, group: UnfinishedGroup, teachers: TeacherScorer) -> None:
+        """The group's teacher logprobs (every sibling finished); a dead teacher worker is an
+        infrastructure failure, retried with backoff like a generation worker's."""
+        staged = group.staged
+        prompt_ids = staged[0].result.prompt_token_ids
+        requests = [
+            TeacherRequest(
+                f"{group.group_id}/{sibling}", prompt_ids, staged[sibling].result.token_ids
+            )
+            for sibling in range(self.group_size)
+        ]
+        infra_retries = 0
+        while True:
+            try:
+                group.teacher_logprobs = await teachers.score_group(group.item, requests)
+                group.teacher_passes += 1
+                self.teacher_passes += 1
+                return
+            except NoTeacherWorkers:
+                raise
+            except Exception as exc:
+                kind = classify(exc)
+                if kind is not FailureKind.INFRA:
+                    failure = exc if isinstance(exc, DataFailure) else DataFailure(str(exc))
+                    self._drop_unretryable(group, failure)
+                record = self._record(group, None, infra_retries + 1, kind, exc)
+                if infra_retries >= self.failure_cfg.max_infra_retries:
+                    raise RolloutDropped(group.group_id, record) from exc
+                await asyncio.sleep(backoff_delay(infra_retries, self.failure_cfg))
+                infra_retries += 1
+
     async def _generate_within_rollout_deadline(
         self, group: UnfinishedGroup, requests: list[GenerationRequest], *, attempt_started: float
     ) -> list[GenerationResult]:
@@ -435,8 +497,15 @@ class RolloutManager:
     async def _score_all(
         self, group: UnfinishedGroup, results: list[GenerationResult]
     ) -> list[EnvResult | DataFailure]:
-        """Score a round's completions with one ``score_group_async`` call (the environment
-        keeps the event loop free: see ``tandemrl.envs.base``); failures per sibling."""
+        return await self.score_results(group.item, results)
+
+    async def score_results(
+        self, item: PromptItem, results: list[GenerationResult], *, log_sample: bool = True
+    ) -> list[EnvResult | DataFailure]:
+        """Score a round's completions of ``item`` with one ``score_group_async`` call (the
+        environment keeps the event loop free: see ``tandemrl.envs.base``); failures per
+        completion. ``log_sample``: the first completion joins the training sample log (not
+        for validation passes)."""
         texts: list[str] = []
         undecodable: dict[int, DataFailure] = {}
         decode, stops = self.codec.decode, self._stop_ids
@@ -450,18 +519,22 @@ class RolloutManager:
             except Exception as exc:  # the codec is user code too: this sibling's data failure
                 undecodable[index] = _as_data_failure(exc)
         if not undecodable:
-            return await self._score_texts(group, results, texts)
+            return await self._score_texts(item, results, texts, log_sample)
         decoded = [result for index, result in enumerate(results) if index not in undecodable]
-        scored = iter(await self._score_texts(group, decoded, texts) if texts else [])
+        scored = iter(await self._score_texts(item, decoded, texts, log_sample) if texts else [])
         return [undecodable.get(index) or next(scored) for index in range(len(results))]
 
     async def _score_texts(
-        self, group: UnfinishedGroup, results: list[GenerationResult], texts: list[str]
+        self,
+        item: PromptItem,
+        results: list[GenerationResult],
+        texts: list[str],
+        log_sample: bool,
     ) -> list[EnvResult | DataFailure]:
         truncated = [result.finish_reason == "length" for result in results]
         assert self.env is not None  # an agent run (no env) plays episodes instead
         try:
-            scored = await self.env.score_group_async(group.item, texts, truncated=truncated)
+            scored = await self.env.score_group_async(item, texts, truncated=truncated)
             if len(scored) != len(texts):
                 raise ValueError(
                     f"{type(self.env).__name__}.score_group_async returned {len(scored)} "
@@ -469,11 +542,11 @@ class RolloutManager:
                 )
         except Exception as exc:  # any exception from user reward code is a data failure
             scored = [exc] * len(texts)
-        if texts and type(scored[0]) is EnvResult:
+        if log_sample and texts and type(scored[0]) is EnvResult:
             self.recent_samples.append(
                 {
-                    "prompt_id": group.item.prompt_id,
-                    "prompt": group.item.prompt,
+                    "prompt_id": item.prompt_id,
+                    "prompt": item.prompt,
                     "completion": texts[0],
                     "reward": float(scored[0].reward),
                     "finish_reason": results[0].finish_reason,
@@ -561,7 +634,14 @@ class RolloutManager:
         first = staged[0].result
         assert first is not None
         block = make_group_block(
-            sample_ids, first.prompt_token_ids, completions, logprobs, rewards, keeps
+            sample_ids,
+            first.prompt_token_ids,
+            completions,
+            logprobs,
+            rewards,
+            keeps,
+            None if self.teachers is None else self.teachers.index_for(group.item),
+            group.teacher_logprobs,
         )
         return block, metas
 

@@ -17,12 +17,15 @@ Kill points, detected from outside by polling the checkpoint directory and the r
 - ``trainer_checkpoint_write``: a ``.step_N.tmp-*`` folder exists (N at least two steps past
   the resumed one, so a previous checkpoint of this attempt exists).
 - ``snapshot_write``: a ``.snapshot_*.tmp-*`` folder exists under an anchor.
+- ``validation_open``: a validation pass this attempt opened at version N has not reported, and
+  ``step_N``'s checkpoint (which holds it open) is published (needs ``RunShape.val_period``).
 - ``random``: a seeded delay (0-4 s) after the attempt's first committed group, or (one time
   in four) 2-45 s after the process started: a kill during start-up or restore.
 - ``with_buffered_groups``: this attempt trained a step and published its trainer
   checkpoint, and at least two groups it committed wait untrained in the buffer.
 
-``audit`` replays the journal (``tandemrl.checkpoint.journal.lineage``) into the proof.
+``audit`` replays the journal (``tandemrl.checkpoint.journal.lineage``) into the proof, and
+with validation on, counts the passes reported per version in the final lineage.
 
 ``run_config_change_case`` is the restart-with-a-changed-config case: a run is killed with
 committed groups waiting, then restarted with ``policy.generation.temperature`` changed under
@@ -59,6 +62,7 @@ from tandemrl.checkpoint.layout import JOURNAL
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "examples" / "configs" / "grpo_tiny_cpu_checkpointed.yaml"
 LIGHT_DRIVER = REPO / "tests" / "chaos" / "light_driver.py"
+DISTILL_CONFIG = REPO / "examples" / "configs" / "distill_tiny_cpu.yaml"
 MARKER_ENV = "TANDEMRL_CHAOS_RUN"
 POLL_S = 0.004
 # The run's process list is refreshed this often while waiting for a kill point, so the kill
@@ -71,6 +75,7 @@ KILL_POINTS = (
     "mid_train",
     "trainer_checkpoint_write",
     "snapshot_write",
+    "validation_open",
     "random",
     "with_buffered_groups",
 )
@@ -83,10 +88,16 @@ class RunShape:
     prompts_per_step: int = 8
     generations_per_prompt: int = 8
     commit_log: bool = True
-    # The config the run starts from, and overrides of its own (an agent run needs
-    # checkpointing switched on, which the checkpointed exemplar has in its file).
+    # The algorithm block the run's step keys live in, and the config it starts from.
+    algorithm: str = "grpo"
     config: Path = CONFIG
+    # More overrides (a distillation run: its teacher, checkpointing, token capture).
     extra: tuple[str, ...] = ()
+    # Validation passes every val_period versions (0: off): val_samples held-out prompts,
+    # val_generations sampled completions each.
+    val_period: int = 0
+    val_samples: int = 64
+    val_generations: int = 1
 
     @property
     def total_steps(self) -> int:
@@ -95,19 +106,25 @@ class RunShape:
     def prompt_ids(self) -> set[str]:
         return {f"e{e}-i{i}" for e in range(self.epochs) for i in range(self.num_prompts)}
 
+    def validated_versions(self) -> list[int]:
+        if not self.val_period:
+            return []
+        return list(range(self.val_period, self.total_steps + 1, self.val_period))
+
     def overrides(self, workdir: Path) -> list[str]:
         batch = self.prompts_per_step * self.generations_per_prompt
+        algo = self.algorithm
         return [
             f"data.num_prompts={self.num_prompts}",
-            f"grpo.max_num_epochs={self.epochs}",
-            f"grpo.num_prompts_per_step={self.prompts_per_step}",
-            f"grpo.num_generations_per_prompt={self.generations_per_prompt}",
+            f"{algo}.max_num_epochs={self.epochs}",
+            f"{algo}.num_prompts_per_step={self.prompts_per_step}",
+            f"{algo}.num_generations_per_prompt={self.generations_per_prompt}",
             f"policy.train_global_batch_size={batch}",
             f"policy.train_micro_batch_size={batch}",
             f"async_rl.max_buffered_rollouts={2 * self.prompts_per_step}",
             f"async_rl.max_inflight_prompts={2 * self.prompts_per_step}",
             f"async_rl.min_groups_for_streaming_train={self.prompts_per_step}",
-            "grpo.max_num_steps=1000",
+            f"{algo}.max_num_steps=1000",
             "checkpointing.save_period=1",
             "rollout_checkpointing.snapshot_attempt_interval_s=0.5",
             f"rollout_checkpointing.commit_log={str(self.commit_log).lower()}",
@@ -117,7 +134,35 @@ class RunShape:
             "logger.tensorboard=false",
             "logger.plot=false",
             *self.extra,
+            *(
+                [
+                    f"{algo}.val_period={self.val_period}",
+                    f"{algo}.max_val_samples={self.val_samples}",
+                    f"{algo}.val_num_generations={self.val_generations}",
+                    f"policy.generation.val_temperature={1.0 if self.val_generations > 1 else 0.0}",
+                    "data.validation=builtin://counting",
+                ]
+                if self.val_period
+                else []
+            ),
         ]
+
+
+def distillation_shape(**kwargs: Any) -> RunShape:
+    """A checkpointed on-policy distillation run: the exemplar's settings with crash recovery
+    on, and a teacher built on first use (the ``tiny://`` student preset itself: what is
+    proven here is the bookkeeping of its scores, not learning)."""
+    return RunShape(
+        algorithm="on_policy_distillation",
+        config=DISTILL_CONFIG,
+        extra=(
+            "on_policy_distillation.teachers.0.model_name=tiny://qwen2-counting",
+            "checkpointing.enabled=true",
+            "checkpointing.save_data_plane=true",
+            "token_capture.enabled=true",
+        ),
+        **kwargs,
+    )
 
 
 @dataclass
@@ -162,6 +207,8 @@ class ChaosReport:
                     "log_replayed_committed",
                     "steps",
                     "step_numbering_continuous",
+                    "validation_reports",
+                    "validation_reopened",
                 )
             },
         }
@@ -470,6 +517,18 @@ class KillPoint:
             start, _ = observer.this_attempt()
             names = observer.tmp_snapshot_dirs() if start is not None else []
             return names[0] if names else None
+        if self.point == "validation_open":
+            _, after = observer.this_attempt()
+            reported = {e["version"] for e in after if e["event"] == "validated"}
+            for event in after:
+                version = event.get("version")
+                if (
+                    event["event"] == "validation_opened"
+                    and version not in reported
+                    and (observer.checkpoint_dir / f"step_{version}" / "manifest.json").is_file()
+                ):
+                    return f"the pass of version {version} open, step_{version} published"
+            return None
         start, after = observer.this_attempt()
         if start is None:
             return None
@@ -623,7 +682,20 @@ def audit(checkpoint_dir: Path, shape: RunShape) -> dict[str, Any]:
     steps = sorted(result.trained)
     finished_again = result.finished_again()
     replays = [event.get("replayed") or {} for event in result.restores]
+    validation = validation_audit(read_journal(checkpoint_dir / JOURNAL))
+    # On-policy distillation: teacher passes per group over every attempt's commits (the
+    # journal's ``generated`` events carry them); a committed group must be scored once.
+    teacher_passes: Counter[str] = Counter()
+    for event in read_journal(checkpoint_dir / JOURNAL):
+        if event["event"] == "generated" and "teacher_passes" in event:
+            teacher_passes[event["group_id"]] += int(event["teacher_passes"])
     return {
+        **validation,
+        "teacher_passes": sum(teacher_passes.values()),
+        "teacher_passes_redone": sorted(g for g, n in teacher_passes.items() if n > 1),
+        "trained_without_teacher_pass": sorted(set(trained) - set(teacher_passes))
+        if teacher_passes
+        else [],
         "attempts": result.attempts,
         "steps": len(steps),
         "expected_steps": shape.total_steps,
@@ -650,6 +722,29 @@ def audit(checkpoint_dir: Path, shape: RunShape) -> dict[str, Any]:
         "resumed_steps": [int(event.get("resumed_step", 0)) for event in result.restores],
         "restored_committed": sum(len(e.get("restored_committed", [])) for e in result.restores),
         "restored_staged": sum(len(e.get("restored_staged", [])) for e in result.restores),
+    }
+
+
+def validation_audit(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """Validation passes in the final lineage: reports per version (a ``start`` that resumed
+    after step N voids the reports of versions above N, a fresh start all of them), and the
+    passes restarts re-opened."""
+    reports: Counter[int] = Counter()
+    for event in events:
+        if event["event"] == "start":
+            resumed = int(event.get("resumed_step", 0))
+            fresh = "source" in event and event["source"] is None
+            reports = Counter({v: n for v, n in reports.items() if v <= resumed and not fresh})
+        elif event["event"] == "validated":
+            reports[int(event["version"])] += 1
+    reopened = [
+        int(e["version"])
+        for e in events
+        if e["event"] == "validation_opened" and int(e.get("restarts", 0)) > 0
+    ]
+    return {
+        "validation_reports": dict(sorted(reports.items())),
+        "validation_reopened": reopened,
     }
 
 

@@ -22,10 +22,16 @@ def metrics(log_dir: Path) -> list[dict]:
 
 
 def test_reward_rises_on_the_counting_task(ray_session, tmp_path):
+    # With validation beside training: greedy passes over 64 held-out counting prompts at
+    # the start and every 40 versions, on the same generation worker.
     cfg = load_config(
         "examples/configs/grpo_tiny_cpu.yaml",
         (
             "grpo.max_num_steps=160",
+            "grpo.val_period=40",
+            "grpo.val_at_start=true",
+            "grpo.max_val_samples=64",
+            "data.validation=builtin://counting",
             f"logger.log_dir={tmp_path}",
             "logger.tensorboard=false",
             "logger.progress=false",
@@ -39,6 +45,13 @@ def test_reward_rises_on_the_counting_task(ray_session, tmp_path):
     assert last > 2.5 * first and last > 0.12, (first, last)
     assert all(row["staleness_max"] <= 1 for row in rows)
     assert (tmp_path / "reward_throughput.png").stat().st_size > 0
+    # Held-out reward rises with the training reward; each scheduled version once.
+    passes = [json.loads(line) for line in (tmp_path / "validation.jsonl").read_text().splitlines()]
+    assert [p["trainer_version"] for p in passes] == [0, 40, 80, 120, 160]
+    held_out = [p["val/reward_mean"] for p in passes]
+    print("held-out val/reward_mean per pass:", held_out, "training reward, last 20:", last)
+    assert all(p["val/num_prompts"] == 64 and p["val/failed_completions"] == 0 for p in passes)
+    assert held_out[-1] > held_out[0] + 0.1 and max(held_out[-2:]) > last * 0.8, (held_out, last)
     # Without dynamic sampling the job trains many groups whose rewards are all equal
     # (compare test_dynamic_sampling_trains_no_zero_advantage_group_and_the_reward_rises).
     assert sum(row["zero_advantage_groups"] for row in rows[:20]) > 20

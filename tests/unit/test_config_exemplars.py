@@ -45,6 +45,7 @@ def test_the_expected_exemplars_exist():
         "grpo_smollm2_math_gpu",
         "grpo_gpu_1x",
         "grpo_tiny_cpu_agent",
+        "distill_tiny_cpu",
     }
 
 
@@ -174,3 +175,15 @@ def test_agent_exemplar_plays_the_counting_game_through_the_http_endpoint():
         [{"role": "user", "content": "583="}], add_generation_prompt=True, tokenize=False
     )
     assert len(tokenizer.encode(rendered, add_special_tokens=False)) == 7
+
+
+def test_the_distillation_exemplar_says_how_to_train_its_teacher():
+    cfg = exemplar("distill_tiny_cpu")
+    assert cfg.on_policy_distillation is not None
+    text = (CONFIGS / "distill_tiny_cpu.yaml").read_text()
+    command = next(line for line in text.splitlines() if "grpo_tiny_cpu.yaml" in line)
+    log_dir = command.split("logger.log_dir=")[1].split()[0]
+    # the one command writes the teacher folder the exemplar reads (its final model)
+    (teacher,) = cfg.on_policy_distillation.teachers
+    assert teacher.model_name == f"{log_dir}/final_model" and teacher.default
+    assert cfg.policy.model_name == "tiny://qwen2-counting"
