@@ -130,6 +130,8 @@ class SingleControllerActor:
             else ActorProxy(self.value_trainer_handle),
             coalesce_generate_calls=True,
             metrics_sink=metrics,
+            # A long run keeps nothing per trained group (the journal records them).
+            keep_trained_groups=False,
         )
         return build_controller(self.cfg, parts, model_path=self.model_path)
 

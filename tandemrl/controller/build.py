@@ -61,6 +61,9 @@ class ControllerParts:
     coalesce_generate_calls: bool = False
     # Where each step's metrics row is written before its checkpoint (None: kept in history).
     metrics_sink: StepSink | None = None
+    # Keep a record of every trained group (``SingleController.trained_groups``) for tests and
+    # in-process runs; the Ray controller actor turns it off so a long run does not grow.
+    keep_trained_groups: bool = True
 
 
 def make_step_runner(
@@ -241,6 +244,7 @@ def build_controller(
         commit_log=commit_log,
         watchdog_cfg=cfg.async_rl.stall_watchdog,
         metrics_sink=parts.metrics_sink,
+        keep_trained_groups=parts.keep_trained_groups,
     )
 
 
@@ -279,6 +283,8 @@ def build_fake_controller(
     engines: list[Any],
     dataloader: PromptDataLoader | None = None,
     step_hooks: list[StepHook] | None = None,
+    metrics_sink: StepSink | None = None,
+    keep_trained_groups: bool = True,
 ) -> SingleController:
     """A controller over fakes (tests and benchmarks): counting task, fake text codec."""
     from tandemrl.envs.counting import CountingEnv
@@ -290,5 +296,7 @@ def build_fake_controller(
         env=CountingEnv(),
         codec=fake_codec(),
         dataloader=dataloader,
+        metrics_sink=metrics_sink,
+        keep_trained_groups=keep_trained_groups,
     )
     return build_controller(cfg, parts, step_hooks=step_hooks)

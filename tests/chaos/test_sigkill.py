@@ -1,24 +1,32 @@
-"""SIGKILL the real tiny CPU run at chosen points, restart it until it finishes, prove from
-the run journal that every prompt of every epoch was trained exactly once and that no finished
-group or sibling was generated twice (the commit log keeps what committed after the newest
-snapshot).
+"""SIGKILL (and SIGTERM) the real tiny CPU run at chosen points, restart it until it finishes,
+prove from the run journal that every prompt of every epoch was trained exactly once and that
+no finished group or sibling was generated twice (the commit log keeps what committed after the
+newest snapshot).
 
-The kill points (see ``chaos_harness``): while a trainer checkpoint is being written, while a
-rollout snapshot is being written, and mid-generation shortly after a step closed. Each
-restart is the same ``tandemrl train`` command; it resumes from the newest compatible bundle.
+The kill points (see ``chaos_harness``): SIGKILL while a trainer checkpoint is being written,
+while a rollout snapshot is being written, and mid-generation shortly after a step closed; then
+SIGTERM to the run's process group mid-generation (a preemption: the run stops gracefully,
+exit 143, and leaves no process). Each restart is the same ``tandemrl train`` command; it
+resumes from the newest compatible bundle.
 ``benchmarks/chaos_restart.py`` is the longer variant (more kills, random times).
 """
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from chaos_harness import RunShape, audit, dump, leftover_temporaries, run_with_kills
 
 pytestmark = pytest.mark.chaos
 
-CI_KILL_POINTS = ["trainer_checkpoint_write", "snapshot_write", "mid_generation"]
+CI_KILL_POINTS = [
+    "trainer_checkpoint_write",
+    "snapshot_write",
+    "mid_generation",
+    "mid_generation:SIGTERM",
+]
 
 
 def test_sigkill_and_restart_trains_every_prompt_exactly_once(tmp_path):
@@ -37,6 +45,14 @@ def test_sigkill_and_restart_trains_every_prompt_exactly_once(tmp_path):
     # a mid-run kill takes the Ray workers too (own process groups): driver, gcs, raylet, at
     # least the generation worker, the trainer and the controller actor
     assert kills["mid_generation"].processes >= 6, kills
+    # the preemption: a graceful stop with 128 + SIGTERM, no process of the run left behind,
+    # and it said where it stopped and how to resume
+    preempted = kills["mid_generation:SIGTERM"]
+    assert preempted.hit and preempted.returncode == 143, kills
+    assert preempted.left_behind == 0, kills
+    stop_log = (tmp_path / f"attempt_{preempted.attempt:02d}.log").read_text()
+    assert re.search(r"stopped at step \d+; run the same command to resume", stop_log)
+    assert "Traceback" not in stop_log
     # the snapshot write is a few milliseconds long: seen most of the time, not always
     # interrupted folders are swept by the next successful write, never left to pile up
     assert leftover_temporaries(tmp_path / "ckpt") == []
