@@ -184,14 +184,17 @@ def main() -> int:
             process.wait()
     wall = time.monotonic() - started
 
-    fitted = [s for s in samples if s["step"] >= args.warmup_steps and s["rss_mb"]]
-    roles = sorted({role for s in fitted for role in s["rss_mb"]})
+    steps = last_step(log_dir / "metrics.jsonl")
+    # Samples of the training phase only: after the warm-up, before the last step (the run's
+    # end imports matplotlib for the plot and stops its processes), every role present.
+    training = [s for s in samples if args.warmup_steps <= s["step"] < steps]
+    roles = sorted({role for s in training for role in s["rss_mb"]})
+    fitted = [s for s in training if set(s["rss_mb"]) == set(roles)]
     slopes = {
         role: slope_per_1k([(s["step"], s["rss_mb"].get(role, 0.0)) for s in fitted])
         for role in roles
     }
     total = slope_per_1k([(s["step"], sum(s["rss_mb"].values())) for s in fitted])
-    steps = last_step(log_dir / "metrics.jsonl")
     tail = (workdir / "run.log").read_text(errors="replace").splitlines()[-5:]
     checked = [slopes.get("controller"), slopes.get("gcs"), total]
     journal = checkpoint_dir / JOURNAL
