@@ -123,6 +123,7 @@ ROLLOUT_SEMANTIC_PATHS: tuple[str, ...] = (
     "grpo.reward_shaping",
     "grpo.reward_scaling",
     "grpo.use_dynamic_sampling",
+    "grpo.dynamic_sampling_max_gen_batches",
     "grpo.overlong_filtering",
     "grpo.normalize_rewards",
     "grpo.use_leave_one_out_baseline",
@@ -136,6 +137,7 @@ ROLLOUT_SEMANTIC_PATHS: tuple[str, ...] = (
     "ppo.reward_shaping",
     "ppo.reward_scaling",
     "ppo.use_dynamic_sampling",
+    "ppo.dynamic_sampling_max_gen_batches",
     "ppo.overlong_filtering",
     "ppo.ppo_epochs",
     "ppo.critic_ppo_epochs",
@@ -154,6 +156,10 @@ ROLLOUT_SEMANTIC_PATHS: tuple[str, ...] = (
     "async_rl.max_buffered_rollouts",
     "async_rl.max_inflight_prompts",
     "async_rl.recompute_kv_cache_after_weight_updates",
+    # the drain gate decides whether a completion may mix weight versions, and its deadline
+    # which groups are generated again (like the per-request deadlines below)
+    "async_rl.in_flight_weight_updates",
+    "async_rl.drain_timeout_s",
     "async_rl.rollout_failure.max_infra_retries",
     "async_rl.rollout_failure.max_data_retries",
     "async_rl.rollout_failure.max_skipped_prompts",

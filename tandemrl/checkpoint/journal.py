@@ -80,6 +80,9 @@ class RunJournal:
     def evicted(self, group_ids: list[str]) -> None:
         self.record("evicted", groups=group_ids)
 
+    def filtered(self, group_ids: list[str]) -> None:
+        self.record("filtered", groups=group_ids)
+
     def trained(self, step: int, group_ids: list[str]) -> None:
         self.record("trained", step=step, groups=group_ids)
 

@@ -187,6 +187,31 @@ class PolicyConfig(Strict):
 # --------------------------------------------------------------------------- algorithms
 
 
+class RewardScalingConfig(Strict):
+    """``reward_scaling``: each reward clamped to [source_min, source_max], then mapped
+    linearly onto [target_min, target_max] (NeMo-RL's keys and defaults)."""
+
+    enabled: bool = False
+    source_min: float = 0.0
+    source_max: float = 1.0
+    target_min: float = 0.0
+    target_max: float = 1.0
+
+
+class RewardShapingConfig(Strict):
+    """``reward_shaping``: DAPO's overlong penalty by completion length, or NeMo-RL's
+    stop-properly penalty on truncated completions (tandemrl/training/rewards.py)."""
+
+    enabled: bool = False
+    # Overlong penalty: a completion longer than max_response_length - overlong_buffer_length
+    # tokens loses overlong_buffer_penalty x (excess / overlong_buffer_length).
+    overlong_buffer_length: int | None = Field(None, ge=1)
+    overlong_buffer_penalty: float | None = Field(None, ge=0.0)
+    max_response_length: int | None = Field(None, ge=1)
+    # Instead: a truncated completion's reward is multiplied by this factor (0: no reward).
+    stop_properly_penalty_coef: float | None = Field(None, ge=0.0, le=1.0)
+
+
 class AlgorithmCommon(Strict):
     num_prompts_per_step: int = Field(16, ge=1)
     num_generations_per_prompt: int = Field(8, ge=1)
@@ -199,9 +224,15 @@ class AlgorithmCommon(Strict):
     val_period: int = 0
     val_at_start: bool = False
     val_at_end: bool = False
-    reward_shaping: dict[str, Any] | None = None
-    reward_scaling: dict[str, Any] | None = None
+    # Applied to every completion's reward before it is stored: scaling, then shaping.
+    reward_shaping: RewardShapingConfig | None = None
+    reward_scaling: RewardScalingConfig | None = None
+    # GRPO: DAPO dynamic sampling. A selected group whose rewards are all equal (advantage 0
+    # for every member) is dropped and the step keeps filling from the buffer; a step drops at
+    # most (dynamic_sampling_max_gen_batches - 1) x num_prompts_per_step groups, beyond which
+    # it trains what comes (tandemrl/controller/dynamic_sampling.py).
     use_dynamic_sampling: bool = False
+    dynamic_sampling_max_gen_batches: int = Field(10, ge=1)
     # Exclude truncated completions (hit max_new_tokens) from the loss through sample_mask.
     overlong_filtering: bool = False
 
@@ -260,8 +291,22 @@ class ImportanceSamplingConfig(Strict):
 
 
 class LossConfig(Strict):
+    # The PPO ratio is clipped to [1 - ratio_clip_min, 1 + ratio_clip_max]; the two may differ
+    # (DAPO's clip-higher: a larger ratio_clip_max).
     ratio_clip_min: float = Field(0.2, ge=0.0)
     ratio_clip_max: float = Field(0.2, ge=0.0)
+    # Dual-clip PPO: on tokens with a negative advantage the loss is at most -c x A, so a huge
+    # ratio cannot push the policy arbitrarily far. None: off; NeMo-RL's usual value is 3.
+    ratio_clip_c: float | None = Field(None, gt=1.0)
+    # beta of a KL penalty to a frozen reference policy (the initial weights of
+    # policy.model_name, held by the policy worker): loss_t += beta x KL_t. 0: off.
+    reference_policy_kl_penalty: float = Field(0.0, ge=0.0)
+    # Per-token estimator of KL(pi || pi_ref) from the sampled token, with
+    # logr = log pi_ref - log pi: k1 = -logr, k2 = logr^2 / 2, k3 = exp(logr) - 1 - logr.
+    reference_policy_kl_type: Literal["k1", "k2", "k3"] = "k3"
+    # logr is clamped to [-input, input] and the per-token KL to [-output, output]; None: off.
+    kl_input_clamp_value: float | None = Field(20.0, gt=0.0)
+    kl_output_clamp_value: float | None = Field(10.0, gt=0.0)
     # In a master config it defaults to whether the sampler admits off-policy data
     # (MasterConfig._derive_defaults); False for a LossConfig built on its own.
     use_importance_sampling_correction: bool = False
@@ -299,6 +344,9 @@ class WindowedSamplerConfig(Strict):
     name: Literal["windowed"]
     max_staleness_versions: int = Field(1, ge=0)
     sample_freshest_first: bool = False
+    # Cap dispatch at ceil(ratio x num_prompts_per_step) groups beyond what the window can
+    # still train (tandemrl/samplers/windowed.py); None: ungated, the buffer is the only cap.
+    over_sampling_ratio: float | None = Field(None, ge=0.0)
 
 
 class CustomSamplerConfig(BaseModel):
@@ -368,6 +416,14 @@ class AsyncRLConfig(Strict):
     # Backpressure cap on prompt groups being generated at once.
     max_inflight_prompts: int = Field(32, ge=1)
     recompute_kv_cache_after_weight_updates: bool = False
+    # True: a weight sync reaches generation while requests are in flight (they finish on the
+    # new weights). False: the drain gate — before each sync, admit nothing, let the requests
+    # in flight finish on the old weights, sync, reopen; every completion then comes from
+    # one weight version.
+    in_flight_weight_updates: bool = True
+    # Drain gate only: the longest wait for in-flight requests; the ones still generating
+    # then are aborted and generated again on the new weights (0: abort at once).
+    drain_timeout_s: float = Field(60.0, ge=0.0)
     rollout_failure: RolloutFailureConfig = RolloutFailureConfig()
     stall_watchdog: StallWatchdogConfig = StallWatchdogConfig()
 
@@ -549,7 +605,8 @@ class MasterConfig(Strict):
         ``min_groups_for_streaming_train`` = num_prompts_per_step (whole-step batches);
         ``max_buffered_rollouts`` and ``max_inflight_prompts`` = num_prompts_per_step x
         (lookahead + 1), never below the sampler's required capacity (a custom sampler:
-        2 x and 1 x num_prompts_per_step); ``loss_fn.use_importance_sampling_correction`` =
+        2 x and 1 x num_prompts_per_step; windowed with ``over_sampling_ratio``: its dispatch
+        cap, so that the cap is what limits dispatch); ``loss_fn.use_importance_sampling_correction`` =
         whether the sampler admits off-policy data. A minimal config is then valid, and means
         the same whichever of these it spells out.
         """
@@ -572,6 +629,9 @@ class MasterConfig(Strict):
             if widest is None:  # windowed: ungated, its window is max_staleness_versions
                 widest = sampler.max_staleness_versions
             window = n * (widest + 1)
+            limit = getattr(built, "dispatch_limit", lambda: None)()
+            if limit is not None:  # windowed with over_sampling_ratio: room for the cap
+                window = limit
             buffered = max(window, built.required_buffer_capacity(n))
             inflight = window
             off_policy = built.off_policy_reason() is not None

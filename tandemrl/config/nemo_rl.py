@@ -239,7 +239,13 @@ def _algorithm(tx: _Translator, block: str) -> None:
             "NeMo-Gym message-level advantage penalties",
             f"set {block}.{key}: null",
         )
-    tx.ignore(f"{block}.dynamic_sampling_max_gen_batches", "dynamic sampling is not used")
+    tx.inert(
+        f"{block}.reward_shaping.alp_coef",
+        _null,
+        "the adaptive length penalty (reward_shaping.alp_coef)",
+        f"use the overlong penalty or stop_properly_penalty_coef, and set "
+        f"{block}.reward_shaping.alp_coef: null",
+    )
     tx.ignore(f"{block}.calculate_advantages_on_gpu", "where advantages are computed")
     tx.inert(
         f"{block}.batch_multiplier",
@@ -249,7 +255,7 @@ def _algorithm(tx: _Translator, block: str) -> None:
     )
     tx.ignore(
         f"{block}.skip_reference_policy_logprobs_calculation",
-        "TandemRL keeps no reference policy (loss_fn.reference_policy_kl_penalty must be 0)",
+        "TandemRL computes reference logprobs exactly when loss_fn.reference_policy_kl_penalty > 0",
     )
     estimator = tx.get(f"{block}.adv_estimator")
     if block == "grpo" and isinstance(estimator, dict):
@@ -275,23 +281,20 @@ def _algorithm(tx: _Translator, block: str) -> None:
 
 
 def _loss(tx: _Translator) -> None:
+    # reference_policy_kl_penalty, reference_policy_kl_type, kl_input/output_clamp_value and
+    # ratio_clip_c are TandemRL keys of the same name and meaning: they pass through.
     tx.inert(
-        "loss_fn.reference_policy_kl_penalty",
-        _zero,
-        "a KL penalty to a reference policy (TandemRL keeps no reference model)",
-        "set loss_fn.reference_policy_kl_penalty: 0",
-        reason="the KL penalty is 0",
+        "loss_fn.use_on_policy_kl_approximation",
+        _off,
+        "the on-policy KL approximation (TandemRL weights the reference KL by the "
+        "importance weights of the off-policy correction instead)",
+        "set loss_fn.use_on_policy_kl_approximation: false",
     )
-    kl_only = "only used with a KL penalty to a reference policy, which is 0 here"
-    for key in ("reference_policy_kl_type", "kl_input_clamp_value", "kl_output_clamp_value"):
-        tx.ignore(f"loss_fn.{key}", kl_only)
-    for key in ("use_on_policy_kl_approximation", "use_kl_in_reward"):
-        tx.inert(f"loss_fn.{key}", _off, kl_only, f"set loss_fn.{key}: false")
     tx.inert(
-        "loss_fn.ratio_clip_c",
-        _null,
-        "dual-clip PPO (ratio_clip_c)",
-        "set loss_fn.ratio_clip_c: null",
+        "loss_fn.use_kl_in_reward",
+        _off,
+        "the KL penalty folded into the reward (TandemRL adds it to the loss)",
+        "set loss_fn.use_kl_in_reward: false",
     )
     tx.inert(
         "loss_fn.sequence_level_importance_ratios",

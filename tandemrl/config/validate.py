@@ -62,6 +62,7 @@ class _Checker:
         if algo_name is not None:
             self.check_algorithm(algo_name)
         self.check_failure_budgets()
+        self.check_drain_gate()
         self.check_checkpointing()
         self.check_rollout_checkpointing()
         self.check_rollout_recovery()
@@ -218,6 +219,8 @@ class _Checker:
         self.check_streaming(algo)
         self.check_buffer_and_inflight(algo)
         self.check_importance_sampling(algo)
+        self.check_over_sampling(algo)
+        self.check_loss()
         if algo == "ppo":
             self.check_ppo()
         else:
@@ -254,16 +257,99 @@ class _Checker:
                     f"{algo}.{key}: validation is not supported on the single-controller path; "
                     f"remove it (set {algo}.val_period: 0, val_at_start/val_at_end: false)"
                 )
-        for key in ("reward_shaping", "reward_scaling"):
-            if getattr(block, key) is not None:
-                self.error(
-                    f"{algo}.{key}: not implemented on the single-controller path; remove it "
-                    "(it would otherwise be silently skipped)"
-                )
-        if block.use_dynamic_sampling:
+        self.check_rewards(algo)
+        self.check_dynamic_sampling(algo)
+
+    def check_rewards(self, algo: str) -> None:
+        """reward_scaling and reward_shaping (``tandemrl.training.rewards``)."""
+        block = self.cfg.algorithm
+        scaling = block.reward_scaling
+        if scaling is not None and not scaling.enabled and scaling != type(scaling)():
             self.error(
-                f"{algo}.use_dynamic_sampling: not implemented on the single-controller path; "
-                "set it to false"
+                f"{algo}.reward_scaling: its ranges are set but enabled is false, so they do "
+                f"nothing; set {algo}.reward_scaling.enabled: true or remove the block"
+            )
+        elif scaling is not None and scaling.enabled:
+            for low, high in (("source_min", "source_max"), ("target_min", "target_max")):
+                if getattr(scaling, low) >= getattr(scaling, high):
+                    self.error(
+                        f"{algo}.reward_scaling.{low}: {getattr(scaling, low)} must be below "
+                        f"{algo}.reward_scaling.{high} ({getattr(scaling, high)})"
+                    )
+        shaping = block.reward_shaping
+        if shaping is None:
+            return
+        where = f"{algo}.reward_shaping"
+        overlong_keys = ("overlong_buffer_length", "overlong_buffer_penalty", "max_response_length")
+        if not shaping.enabled:
+            if shaping != type(shaping)():
+                self.error(
+                    f"{where}: its penalties are set but enabled is false, so they do nothing; "
+                    f"set {where}.enabled: true or remove the block"
+                )
+            return
+        if shaping.stop_properly_penalty_coef is not None:
+            for key in overlong_keys:
+                if getattr(shaping, key) is not None:
+                    self.error(
+                        f"{where}.{key}: the overlong penalty and "
+                        f"{where}.stop_properly_penalty_coef exclude each other (with the "
+                        "coefficient set, this key would be ignored); keep one of them"
+                    )
+            return
+        missing = [key for key in overlong_keys if getattr(shaping, key) is None]
+        for key in missing:
+            self.error(
+                f"{where}.{key}: required by the overlong penalty (enabled: true); set "
+                f"overlong_buffer_length, overlong_buffer_penalty and max_response_length, or "
+                f"{where}.stop_properly_penalty_coef instead"
+            )
+        if missing:
+            return
+        buffer, longest = shaping.overlong_buffer_length, shaping.max_response_length
+        assert buffer is not None and longest is not None
+        if buffer > longest:
+            self.error(
+                f"{where}.overlong_buffer_length: {buffer} is longer than "
+                f"{where}.max_response_length ({longest}); the penalty starts at "
+                "max_response_length - overlong_buffer_length tokens, which must be >= 0"
+            )
+        new_tokens = self.cfg.policy.generation.max_new_tokens
+        if longest - buffer >= new_tokens:
+            self.warn(
+                f"{where}: the penalty starts above {longest - buffer} tokens "
+                f"(max_response_length - overlong_buffer_length), but no completion is longer "
+                f"than policy.generation.max_new_tokens ({new_tokens}): it never applies"
+            )
+
+    def check_dynamic_sampling(self, algo: str) -> None:
+        block = self.cfg.algorithm
+        default_cap = type(block).model_fields["dynamic_sampling_max_gen_batches"].default
+        if not block.use_dynamic_sampling:
+            if block.dynamic_sampling_max_gen_batches != default_cap:
+                self.error(
+                    f"{algo}.dynamic_sampling_max_gen_batches: does nothing while "
+                    f"{algo}.use_dynamic_sampling is false; set use_dynamic_sampling: true or "
+                    "remove it"
+                )
+            return
+        if algo == "ppo":
+            self.error(
+                "ppo.use_dynamic_sampling: GRPO only — it drops groups whose rewards are all "
+                "equal because their group-baseline advantage is 0, which GAE's is not; set it "
+                "to false"
+            )
+        if block.num_generations_per_prompt < 2:
+            self.error(
+                f"{algo}.use_dynamic_sampling: needs {algo}.num_generations_per_prompt >= 2 "
+                f"(got {block.num_generations_per_prompt}); a group of one always has "
+                "advantage 0, so every group would be dropped"
+            )
+        if isinstance(self.sampler, CustomSamplerConfig):
+            self.error(
+                f"{algo}.use_dynamic_sampling: needs a built-in sampler (async_rl.sampler.name "
+                "is custom): a dropped group is replaced through the built-in samplers' "
+                "replacement credits"
             )
 
     def check_batch_sizes(self, algo: str) -> None:
@@ -367,6 +453,29 @@ class _Checker:
                 "on-policy (in_order with max_lookahead_versions: 0)"
             )
 
+    def check_loss(self) -> None:
+        """The clip range and the reference-policy KL penalty (``tandemrl.training.losses``)."""
+        loss = self.cfg.loss_fn
+        if loss.ratio_clip_min >= 1.0:
+            self.error(
+                f"loss_fn.ratio_clip_min: {loss.ratio_clip_min} puts the lower clip bound "
+                f"1 - ratio_clip_min at or below 0, where no ratio can fall; use a value below "
+                "1 (the bounds are [1 - ratio_clip_min, 1 + ratio_clip_max]; they may differ)"
+            )
+        if loss.reference_policy_kl_penalty == 0:
+            defaults = type(loss)()
+            for key in (
+                "reference_policy_kl_type",
+                "kl_input_clamp_value",
+                "kl_output_clamp_value",
+            ):
+                if getattr(loss, key) != getattr(defaults, key):
+                    self.error(
+                        f"loss_fn.{key}: {getattr(loss, key)!r} does nothing while "
+                        "loss_fn.reference_policy_kl_penalty is 0; set the penalty (> 0) or "
+                        "remove it"
+                    )
+
     def check_ppo(self) -> None:
         cfg = self.cfg
         ppo = cfg.ppo
@@ -383,26 +492,9 @@ class _Checker:
                 "policy.offload_optimizer_for_logprob: must be true on a PPO run — it keeps the "
                 "policy optimizer off the device while the critic runs"
             )
-        if self.sampler.name != "in_order":
-            self.error(
-                f"async_rl.sampler.name: PPO supports only in_order (got {self.sampler.name!r})"
-            )
-        min_groups = cfg.async_rl.min_groups_for_streaming_train
-        if min_groups != ppo.num_prompts_per_step:
-            self.error(
-                "async_rl.min_groups_for_streaming_train: must equal ppo.num_prompts_per_step "
-                f"({ppo.num_prompts_per_step}) on a PPO run (got {min_groups}); the critic "
-                "trains on the whole step, so splitting a step into chunks would multiply the "
-                "optimizer updates — set it to ${ppo.num_prompts_per_step}"
-            )
-        failure = cfg.async_rl.rollout_failure
-        for key in ("max_skipped_prompts", "max_consecutive_dropped_prompts"):
-            value = getattr(failure, key)
-            if value != 0:
-                self.error(
-                    f"async_rl.rollout_failure.{key}: must be 0 on a PPO run (got {value}); a "
-                    "dropped prompt would shorten the step below value.train_global_batch_size"
-                )
+        # Any sampler and any chunking: the critic streams its first epoch over the chunks and
+        # every epoch is one optimizer step normalised by the rows the step holds, so a step
+        # shortened by a drop trains correctly too (tandemrl/controller/ppo_step.py).
         self.errors.extend(
             ppo_epoch_problems(
                 ppo_epochs=ppo.ppo_epochs,
@@ -431,6 +523,26 @@ class _Checker:
             )
 
     # ------------------------------------------------------------------ failure budgets
+
+    def check_over_sampling(self, algo: str) -> None:
+        builtin = self.builtin_sampler(algo)
+        limit = getattr(builtin, "dispatch_limit", lambda: None)()
+        buffered = self.cfg.async_rl.max_buffered_rollouts
+        if limit is not None and buffered < limit:
+            self.warn(
+                f"async_rl.sampler.over_sampling_ratio: dispatch is capped at {limit} in-window "
+                f"groups, but async_rl.max_buffered_rollouts ({buffered}) holds fewer, so the "
+                f"buffer caps it first; raise max_buffered_rollouts to {limit} or lower the ratio"
+            )
+
+    def check_drain_gate(self) -> None:
+        async_rl = self.cfg.async_rl
+        default = type(async_rl).model_fields["drain_timeout_s"].default
+        if async_rl.in_flight_weight_updates and async_rl.drain_timeout_s != default:
+            self.error(
+                f"async_rl.drain_timeout_s: {async_rl.drain_timeout_s} applies only to the "
+                "drain gate; set async_rl.in_flight_weight_updates: false or remove it"
+            )
 
     def check_failure_budgets(self) -> None:
         failure = self.cfg.async_rl.rollout_failure

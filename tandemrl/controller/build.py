@@ -43,6 +43,7 @@ from tandemrl.rollout.ledger import OwnershipLedger
 from tandemrl.rollout.manager import RolloutManager, SamplingParams
 from tandemrl.run_state import ControllerState, RunState
 from tandemrl.samplers import PromptGroupSampler, create_sampler
+from tandemrl.training.rewards import RewardTransform
 
 
 @dataclass
@@ -90,6 +91,7 @@ def make_step_runner(
         normalize_rewards=algo.normalize_rewards,
         pad_token_id=pad_token_id,
         reuse_training_logprobs=cfg.loss_fn.reuse_training_logprobs,
+        reference_kl=cfg.loss_fn.reference_policy_kl_penalty > 0,
     )
 
 
@@ -113,6 +115,12 @@ def controller_settings(cfg: MasterConfig) -> ControllerSettings:
         min_step_batch_fraction=failure.min_step_batch_fraction,
         replacement_reserve_size=failure.replacement_reserve_size,
         sample_log_period=cfg.logger.sample_log_period,
+        dynamic_sampling_max_gen_batches=(
+            algo.dynamic_sampling_max_gen_batches if algo.use_dynamic_sampling else None
+        ),
+        drain_timeout_s=(
+            None if cfg.async_rl.in_flight_weight_updates else cfg.async_rl.drain_timeout_s
+        ),
     )
 
 
@@ -220,6 +228,7 @@ def build_controller(
         overlong_filtering=algo.overlong_filtering,
         seed=algo.seed,
         events=events,
+        reward_transform=RewardTransform(scaling=algo.reward_scaling, shaping=algo.reward_shaping),
     )
     return SingleController(
         settings=controller_settings(cfg),

@@ -9,9 +9,11 @@ Rollout pump, per prompt group (reference spec, "Coordination Flow"):
 Train pump, per RL step:
 
     sampler.evict → sampler.select (≥ min_groups_for_streaming_train per chunk, a step is
-    num_prompts_per_step groups) → advantage stage → policy begin_train_step /
+    num_prompts_per_step groups) → [dynamic sampling: drop zero-advantage groups, select
+    again] → advantage stage → policy begin_train_step /
     train_microbatches per chunk / finish_train_step → clear the step's rows →
-    trainer_version += 1 → weight sync (rollout permission closed meanwhile)
+    trainer_version += 1 → weight sync (rollout permission closed meanwhile; with the drain
+    gate, in-flight groups finish on the old weights first, or are generated again after it)
 
 Both pumps share one ``asyncio`` loop; nothing here blocks it. A crash in either pump ends
 the run with the original exception; in-flight rollouts are cancelled on exit (they stay in
@@ -43,6 +45,7 @@ from tandemrl.checkpoint.journal import RunJournal
 from tandemrl.checkpoint.restore import RestorePlan, resume
 from tandemrl.checkpoint.writer import CheckpointWriter
 from tandemrl.config.models import StallWatchdogConfig
+from tandemrl.controller.dynamic_sampling import DynamicSampling
 from tandemrl.controller.eviction_warning import EvictionWatch
 from tandemrl.controller.step_metrics import StepAccumulator, TrainedGroup
 from tandemrl.controller.step_runner import StepRunner
@@ -63,6 +66,9 @@ log = logging.getLogger(__name__)
 # Container allocations between two young garbage collections while a run is on (Python's
 # default is 700); see ``run``.
 GC_YOUNG_THRESHOLD = 10_000
+# Drain gate: past its deadline, how often the groups still scoring or committing are polled
+# (they are not cancelled; one that starts another generation round then is).
+DRAIN_POLL_S = 0.05
 
 
 class StepShrunkTooFar(RuntimeError):
@@ -83,6 +89,10 @@ class ControllerSettings:
     replacement_reserve_size: int = 0
     # Every this many steps, the last few completions go to the metrics sink (0: never).
     sample_log_period: int = 0
+    # grpo.use_dynamic_sampling: its dynamic_sampling_max_gen_batches (None: off).
+    dynamic_sampling_max_gen_batches: int | None = None
+    # async_rl.in_flight_weight_updates false: the drain gate, with drain_timeout_s.
+    drain_timeout_s: float | None = None
 
 
 StepHook = Callable[["SingleController", dict[str, float]], Awaitable[None]]
@@ -147,6 +157,10 @@ class SingleController:
         self.inflight_started_at: dict[str, float] = {}
         self._inflight: dict[str, asyncio.Task[None]] = {}
         self._abort_requested: set[str] = set()
+        # Drain gate: groups cancelled mid-generation at the drain deadline, and those of them
+        # waiting to be generated again once the new weights are in.
+        self._redispatch_requested: set[str] = set()
+        self._redispatch_after_sync: list[UnfinishedGroup] = []
         self._rollout_permission = asyncio.Event()
         # The staleness gate reads the version when it decides (made once, not per admission).
         self._trainer_version_fn = lambda: self.trainer_version
@@ -173,6 +187,14 @@ class SingleController:
         # where nothing is kept per group once its step closed and the journal has it.
         self.keep_trained_groups = keep_trained_groups
         self.trained_groups: list[tuple[int, TrainedGroup]] = []
+        self.dynamic_sampling = (
+            None
+            if settings.dynamic_sampling_max_gen_batches is None
+            else DynamicSampling(
+                num_prompts_per_step=settings.num_prompts_per_step,
+                max_gen_batches=settings.dynamic_sampling_max_gen_batches,
+            )
+        )
         self.eviction_watch = EvictionWatch.for_sampler(
             self.sampler,
             groups_per_step=settings.num_prompts_per_step,
@@ -440,6 +462,9 @@ class SingleController:
                     await self.rollout_manager.drop_aborted(group)
                     self._acc.aborted_groups += 1
                     self._log_dropped(group)
+                elif group.group_id in self._redispatch_requested and not self._stopping:
+                    # Slot and ledger entry stay: generated again after the sync.
+                    self._redispatch_after_sync.append(group)
                 else:
                     raise
         except Exception as exc:
@@ -450,6 +475,7 @@ class SingleController:
             self._inflight.pop(group.group_id, None)
             self.inflight_started_at.pop(group.group_id, None)
             self._abort_requested.discard(group.group_id)
+            self._redispatch_requested.discard(group.group_id)
             self._notify()
 
     def _log_dropped(self, group: UnfinishedGroup) -> None:
@@ -522,14 +548,21 @@ class SingleController:
         groups_wanted = self._groups_for_step(version)
         claimed: list[Slot] = []
         began = False
+        if self.dynamic_sampling is not None:
+            self.dynamic_sampling.begin_step()
         while len(claimed) < groups_wanted:
             await self._evict(version)
             remaining = groups_wanted - len(claimed)
+            min_groups = min(self.settings.min_groups_for_streaming_train, remaining)
             slots, _ = await self.sampler.select(
                 current_train_weight=version,
-                min_prompt_groups=min(self.settings.min_groups_for_streaming_train, remaining),
+                min_prompt_groups=min_groups,
                 max_prompt_groups=remaining,
             )
+            if slots is not None and self.dynamic_sampling is not None:
+                slots = await self._filter_zero_advantage(slots, min_groups=min_groups)
+                if slots is None:
+                    continue  # too few left to train: select again (it waits when it must)
             if slots is None:
                 if self._no_more_groups_can_arrive() or self.stop_requested:
                     await self._roll_back(claimed)
@@ -642,6 +675,36 @@ class SingleController:
             if self.keep_trained_groups:
                 self.trained_groups.append((self.state.step, trained))
 
+    async def _filter_zero_advantage(
+        self, slots: list[Slot], *, min_groups: int
+    ) -> list[Slot] | None:
+        """Dynamic sampling: drop the chunk's zero-advantage groups (``dynamic_sampling``);
+        the rest, or None (their claims rolled back) when fewer than ``min_groups`` remain."""
+        assert self.dynamic_sampling is not None
+        keep, drop = self.dynamic_sampling.split(slots)
+        self._acc.filter_cap_reached = self.dynamic_sampling.cap_reached
+        if drop:
+            dropped_ids = [slot.group_id for slot in drop]
+            # A gated sampler owes the step a fresh group for each: a replacement credit.
+            gated = self.sampler.lookahead_at(self.trainer_version) is not None
+            async with self.barrier.mutation():
+                sample_ids = self.buffer.release_claims(dropped_ids, consumed=True)
+                await self.data_plane.clear(sample_ids)
+                if gated:
+                    for slot in drop:
+                        self.sampler.on_group_filtered(slot)
+                if self.events is not None:
+                    self.events.filtered(dropped_ids)
+            self._acc.filtered_groups += len(drop)
+            self._acc.filtered_rewards.extend(
+                meta.reward for slot in drop for meta in slot.rows_meta
+            )
+            self._notify()
+        if len(keep) < min_groups:  # only after a drop: select claimed at least min_groups
+            await self._roll_back(keep)
+            return None
+        return keep
+
     async def _close_step(self, claimed: list[Slot]) -> None:
         """Consume the step's groups and advance the step and trainer version as one unit.
 
@@ -668,18 +731,77 @@ class SingleController:
             self._notify()
 
     async def _sync_weights(self, refit: bool) -> float:
-        """Push the new weights to generation (permission was closed by ``_close_step``)."""
+        """Push the new weights to generation (permission was closed by ``_close_step``).
+
+        With the drain gate (``async_rl.in_flight_weight_updates: false``) the requests in
+        flight finish on the old weights first (``_drain_inflight``); a standing-down engine
+        wakes for that. Groups cut off at the drain deadline are generated again afterwards.
+        """
         try:
             seconds = 0.0
+            awake = not self.settings.stands_down
+            if refit and self.settings.drain_timeout_s is not None:
+                if not awake:
+                    await self.generation.wake()
+                    awake = True
+                await self._drain_inflight(self.settings.drain_timeout_s)
             if refit:
                 seconds = await self.weight_sync.sync(self.trainer_version)
             await self._abort_stale_inflight()
-            if self.settings.stands_down:
+            await self._redispatch_drained()
+            if not awake:
                 await self.generation.wake()
         finally:
             self._rollout_permission.set()
             self._notify()
         return seconds
+
+    async def _drain_inflight(self, timeout_s: float) -> None:
+        """The drain gate: nothing is admitted (permission is closed); wait up to
+        ``timeout_s`` for the groups in flight, then cancel the ones still generating (their
+        requests aborted on the engines) for ``_redispatch_drained``. Groups past generation
+        (scoring, committing) are waited for: they never touch the weights again."""
+        if not self._inflight:
+            return
+        started = time.monotonic()
+        self.waiting_on["train"] = f"drain gate: {len(self._inflight)} group(s) in flight"
+        await asyncio.wait(list(self._inflight.values()), timeout=timeout_s)
+        while self._inflight:
+            generating = [
+                group_id
+                for group_id in self._inflight
+                if group_id in self.rollout_manager.active_requests
+                and group_id not in self._redispatch_requested
+            ]
+            request_ids = [
+                request.request_id
+                for group_id in generating
+                for request in self.rollout_manager.active_requests[group_id]
+            ]
+            for group_id in generating:
+                self._redispatch_requested.add(group_id)
+                self._inflight[group_id].cancel()
+            if request_ids:
+                await self.generation.abort(request_ids)
+            if self._inflight:  # the cancelled ones may have ended during the abort
+                await asyncio.wait(list(self._inflight.values()), timeout=DRAIN_POLL_S)
+        self._acc.drain_s += time.monotonic() - started
+
+    async def _redispatch_drained(self) -> None:
+        """Generate the groups the drain cut off again, on the new weights (or drop the ones
+        the sampler says can never be trained, as ``_abort_stale_inflight`` would)."""
+        groups, self._redispatch_after_sync = self._redispatch_after_sync, []
+        for group in groups:
+            slot = self.buffer.slot(group.group_id)
+            if self.sampler.should_abort_inflight(
+                start_weight=slot.start_weight, current_train_weight=self.trainer_version
+            ):
+                await self.rollout_manager.drop_aborted(group)
+                self._acc.aborted_groups += 1
+                self._log_dropped(group)
+                continue
+            self._launch(group)
+            self._acc.redispatched_groups += 1
 
     async def _abort_stale_inflight(self) -> None:
         """Windowed sampler: in-flight groups that can never be trained are aborted."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from tandemrl.training.advantages import has_zero_advantage
+
 
 @dataclass
 class TrainedGroup:
@@ -36,6 +38,16 @@ class StepAccumulator:
     aborted_groups: int = 0
     dropped_prompts: int = 0
     replaced_prompts: int = 0
+    # Dynamic sampling: zero-advantage groups dropped from this step, and whether the step's
+    # cap on them was reached (zero-advantage groups were then trained).
+    filtered_groups: int = 0
+    filter_cap_reached: bool = False
+    # Their rewards (for a reward mean unbiased by the filtering).
+    filtered_rewards: list[float] = field(default_factory=list)
+    # Drain gate: seconds the weight sync waited for in-flight groups, and groups cut off at
+    # its deadline and generated again on the new weights.
+    drain_s: float = 0.0
+    redispatched_groups: int = 0
     groups: list[TrainedGroup] = field(default_factory=list)
 
     def close_step(
@@ -67,6 +79,20 @@ class StepAccumulator:
             "aborted_groups": self.aborted_groups,
             "dropped_prompts": self.dropped_prompts,
             "replaced_prompts": self.replaced_prompts,
+            # Trained groups whose rewards were all equal: no policy-gradient signal.
+            "zero_advantage_groups": sum(has_zero_advantage(g.rewards) for g in self.groups),
+            "dynamic_sampling/filtered_groups": self.filtered_groups,
+            "dynamic_sampling/cap_reached": float(self.filter_cap_reached),
+            # The mean over trained and filtered groups: what reward_mean is without the filter
+            # (which leaves out groups whose rewards are all equal, often all 0).
+            "dynamic_sampling/reward_mean_with_filtered": (
+                (sum(rewards) + sum(self.filtered_rewards))
+                / (len(rewards) + len(self.filtered_rewards))
+                if rewards or self.filtered_rewards
+                else 0.0
+            ),
+            "drain/drain_s": self.drain_s,
+            "drain/redispatched_groups": self.redispatched_groups,
         }
         row.update(env_metric_means(self.groups))
         row.update(extra)

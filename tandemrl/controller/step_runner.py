@@ -12,7 +12,9 @@ warm-up trains only the critic, so there is nothing to sync).
 the trainer's own logprobs as ``prev_logprobs``, then gradient accumulation; ``finish`` applies
 exactly one optimizer step. With ``loss_fn.reuse_training_logprobs`` the chunk goes to the
 trainer without ``prev_logprobs`` and the training forward supplies them (one forward pass
-per step fewer; exact because the weights change only in ``finish``).
+per step fewer; exact because the weights change only in ``finish``). With a KL penalty
+(``loss_fn.reference_policy_kl_penalty > 0``) each chunk also gets the frozen reference
+policy's logprobs (``reference_logprobs``, from the trainer's ``get_reference_logprobs``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 
 from tandemrl.buffer import Slot
 from tandemrl.training.advantages import broadcast_sequence_values, grpo_advantages_grouped
-from tandemrl.training.api import TrainBatch, Trainer
+from tandemrl.training.api import ReferencePolicy, TrainBatch, Trainer
 from tandemrl.training.batch import collate_rows
 
 # A step's rows, by sample id (as the data plane hands them out).
@@ -56,6 +58,16 @@ def collate_step_rows(slots: list[Slot], rows: StepRows, *, pad_token_id: int) -
     return batch
 
 
+async def reference_logprobs(trainer: Trainer, batch: TrainBatch) -> torch.Tensor:
+    """The reference policy's logprobs of ``batch`` from a trainer that keeps one."""
+    if not isinstance(trainer, ReferencePolicy):
+        raise TypeError(
+            f"loss_fn.reference_policy_kl_penalty > 0 needs a trainer with "
+            f"get_reference_logprobs; {type(trainer).__name__} has none"
+        )
+    return await trainer.get_reference_logprobs(batch)
+
+
 class GRPOStepRunner:
     def __init__(
         self,
@@ -66,9 +78,11 @@ class GRPOStepRunner:
         normalize_rewards: bool,
         pad_token_id: int,
         reuse_training_logprobs: bool = False,
+        reference_kl: bool = False,
     ) -> None:
         self.trainer = trainer
         self.reuse_training_logprobs = reuse_training_logprobs
+        self.reference_kl = reference_kl
         self.group_size = group_size
         self.leave_one_out_baseline = leave_one_out_baseline
         self.normalize_rewards = normalize_rewards
@@ -93,6 +107,8 @@ class GRPOStepRunner:
         batch = self.advantage_stage(slots, rows)
         if not self.reuse_training_logprobs:
             batch["prev_logprobs"] = await self.trainer.get_logprobs(batch)
+        if self.reference_kl:
+            batch["reference_logprobs"] = await reference_logprobs(self.trainer, batch)
         await self.trainer.train_microbatches(batch, step_num_sequences=step_num_sequences)
 
     async def finish(self) -> dict[str, float]:

@@ -13,7 +13,9 @@ rollout:
 3. retry failures by class (infrastructure with capped backoff, data without), at the
    group's recovery granularity: ``sibling`` regenerates only the failed siblings,
    ``prompt_group`` regenerates all of them;
-4. once every sibling finished, write the group's rows to the data plane as one ``RowBlock``
+4. once every sibling finished, turn each environment reward into the reward the rows carry
+   (``reward_scaling``, then ``reward_shaping``: ``tandemrl.training.rewards``), and write the
+   group's rows to the data plane as one ``RowBlock``
    (``put_block``), then commit the slot with the observed ``end_weight`` — both under the
    checkpoint barrier, so a snapshot never sees rows without their index entry or the
    reverse.
@@ -63,6 +65,7 @@ from tandemrl.rollout.generation_pool import (
     within_awake_time,
 )
 from tandemrl.rollout.ledger import OwnershipLedger, StagedSibling, UnfinishedGroup
+from tandemrl.training.rewards import RewardTransform
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +147,7 @@ class RolloutManager:
         overlong_filtering: bool = False,
         seed: int = 0,
         events: OwnershipEvents | None = None,
+        reward_transform: RewardTransform | None = None,
     ) -> None:
         self.buffer = buffer
         self.data_plane = data_plane
@@ -160,6 +164,10 @@ class RolloutManager:
         self.budgets = budgets
         self.barrier = barrier
         self.overlong_filtering = overlong_filtering
+        # reward_scaling / reward_shaping (None or inactive: the environment's reward as is).
+        self.reward_transform = (
+            reward_transform if reward_transform is not None and reward_transform.active else None
+        )
         self.seed = seed
         # The journal and/or the commit log; None when neither is on.
         self.events = events
@@ -456,6 +464,12 @@ class RolloutManager:
             truncated = result.finish_reason == "length"
             keep = 1.0 if env_result.keep and not (filter_overlong and truncated) else 0.0
             reward = float(env_result.reward)
+            env_metrics = numeric_metadata(env_result.metadata) if env_result.metadata else None
+            if self.reward_transform is not None:
+                env_metrics = {**(env_metrics or {}), "reward_before_shaping": reward}
+                reward = self.reward_transform(
+                    reward, completion_tokens=len(result.token_ids), truncated=truncated
+                )
             sample_id = group_id + suffix  # f"{group_id}/{sibling}"
             sample_ids.append(sample_id)
             rewards.append(reward)
@@ -474,7 +488,7 @@ class RolloutManager:
                     truncated,
                     result.start_weight_version,
                     result.end_weight_version,
-                    numeric_metadata(env_result.metadata) if env_result.metadata else None,
+                    env_metrics,
                 )
             )
         block = make_group_block(
@@ -511,6 +525,10 @@ class RolloutManager:
         block, metas = self._rows(group)
         await self.data_plane.put_block(block)
         return metas
+
+    async def clear_replayed_rows(self, sample_ids: list[str]) -> None:
+        """Commit-log replay: clear the rows of a restored group the log says was removed."""
+        await self.data_plane.clear(sample_ids)
 
     async def drop_aborted(self, group: UnfinishedGroup) -> None:
         """Remove a group whose generation the controller aborted as stale."""

@@ -37,8 +37,14 @@ class FakeTrainer:
         self.optimizer_steps = 0
         self._open: RecordedStep | None = None
         self.weights_version = 0  # bumped per optimizer step; what export_weights hands out
+        self.reference_calls = 0
 
     async def get_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        return batch["generation_logprobs"].clone()
+
+    async def get_reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        # A reference policy that agrees with the generator: KL 0 wherever it is computed.
+        self.reference_calls += 1
         return batch["generation_logprobs"].clone()
 
     async def begin_train_step(self) -> None:

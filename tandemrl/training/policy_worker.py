@@ -7,6 +7,9 @@ One RL step::
 
     get_logprobs(batch)            -> prev_logprobs (no grad; may run mid-step; skipped with
                                       loss_fn.reuse_training_logprobs, see below)
+    get_reference_logprobs(batch)  -> reference_logprobs (no grad; only with
+                                      loss_fn.reference_policy_kl_penalty > 0: the worker
+                                      then keeps a frozen copy of the initial weights)
     begin_train_step()             zero gradients
     train_microbatches(chunk, step_num_sequences=S, step_num_tokens=N)   once per chunk
     finish_train_step()            clip, exactly one optimizer step, metrics
@@ -279,6 +282,18 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
                 layer.compile(dynamic=True)
         if policy_cfg.dtensor_cfg.activation_checkpointing:
             self.model.gradient_checkpointing_enable()
+        # The frozen reference policy of the KL penalty: the initial weights of the model
+        # folder (a resumed run loads its checkpoint into self.model, never into this one).
+        self.reference_model: torch.nn.Module | None = None
+        if loss_cfg.reference_policy_kl_penalty > 0:
+            self.reference_model = load_causal_lm(
+                self.model_path, dtype=torch.float32, device=self.device
+            )
+            self.reference_model.config.use_cache = False
+            self.reference_model.requires_grad_(False)
+            self.reference_model.eval()
+            if self.sequence_packing:
+                use_packed_attention(self.reference_model)
         self.optimizer = build_optimizer(self.model.parameters(), policy_cfg.optimizer, self.device)
         self.scheduler = build_scheduler(self.optimizer, policy_cfg.scheduler)
         self._offload = OptimizerOffload(self.optimizer, self.device)
@@ -390,23 +405,27 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
             model_inputs=model_inputs,
         )
 
-    def _forward(self, micro: Micro, *, entropy: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(
+        self, micro: Micro, *, entropy: str, model: torch.nn.Module | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(logprobs [b, l], entropy [b, l] or None); ``entropy``: "none", "metric" or "grad".
 
         Entries outside ``micro.needed`` are 0 on the head path (they are never a loss
-        position); the full-logits path fills every position.
+        position); the full-logits path fills every position. ``model``: the trained model
+        (default) or the frozen reference, which has the same architecture.
         """
+        model = self.model if model is None else model
         if not self.use_head_logprobs:
-            return self._forward_logits(micro, entropy=entropy)
+            return self._forward_logits(micro, entropy=entropy, model=model)
         input_ids = micro.batch["input_ids"]
         rows, length = input_ids.shape
         with autocast(self.device, self.autocast_dtype):
-            hidden = self.model.base_model(**micro.model_inputs, use_cache=False).last_hidden_state
+            hidden = model.base_model(**micro.model_inputs, use_cache=False).last_hidden_state
         hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, micro.hidden_index)
         compute_dtype = self.autocast_dtype or torch.float32
         logprobs, token_entropy_ = head_logprobs(
             hidden.to(compute_dtype),
-            self.model.get_output_embeddings().weight,
+            model.get_output_embeddings().weight,
             micro.targets,
             temperature=self.temperature,
         )
@@ -419,10 +438,10 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
         return logprobs, zeros.index_copy(0, micro.needed, token_entropy_).view(rows, length)
 
     def _forward_logits(
-        self, micro: Micro, *, entropy: str
+        self, micro: Micro, *, entropy: str, model: torch.nn.Module
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         with autocast(self.device, self.autocast_dtype):
-            logits = self.model(
+            logits = model(
                 input_ids=micro.batch["input_ids"],
                 attention_mask=micro.batch["attention_mask"],
                 use_cache=False,
@@ -435,12 +454,13 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
         with torch.no_grad():
             return logprobs, F.pad(token_entropy(scaled.detach()), (1, 0))
 
-    def _get_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+    def _get_logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
         self._check_length(batch)
         if self.cfg.offload_optimizer_for_logprob:
             self._offload.offload()
-        was_training = self.model.training
-        self.model.eval()
+        model = self._reference() if reference else self.model
+        was_training = model.training
+        model.eval()
         batch, order = sort_rows_by_length(batch)
         out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32, device=self.device)
         packed = self._packs(batch)
@@ -450,15 +470,24 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
             for micro in micros:
                 size, length = micro["input_ids"].shape
                 prepared = self._prepare(micro, micro["attention_mask"] != 0, packed)
-                logprobs, _ = self._forward(prepared, entropy="none")
+                logprobs, _ = self._forward(prepared, entropy="none", model=model)
                 mask = prepared.batch["attention_mask"].to(logprobs.dtype)
                 out[start : start + size, :length] = logprobs * mask
                 start += size
-        self.model.train(was_training)
+        model.train(was_training)
         out = out.cpu()  # the one wait for the device
         unsorted = torch.empty_like(out)
         unsorted[order] = out
         return unsorted
+
+    def _reference(self) -> torch.nn.Module:
+        if self.reference_model is None:
+            raise ValueError(
+                "get_reference_logprobs needs a reference policy: set "
+                "loss_fn.reference_policy_kl_penalty > 0 (the worker then keeps a frozen copy "
+                "of the initial weights)"
+            )
+        return self.reference_model
 
     # ------------------------------------------------------------------ split train step
 
@@ -631,6 +660,10 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
     async def get_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """[B, L] logprobs of ``input_ids`` under the current weights (no grad), on CPU."""
         return await self._executor.run(self._get_logprobs, batch)
+
+    async def get_reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """[B, L] logprobs of ``input_ids`` under the frozen reference policy, on CPU."""
+        return await self._executor.run(self._get_logprobs, batch, True)
 
     async def export_weights(self) -> dict[str, torch.Tensor]:
         """CPU float32 state dict (contiguous copies, every key incl. tied lm_head.weight)."""

@@ -261,12 +261,16 @@ def test_megatron_is_one_line(tmp_path, base):
             "LoRA",
         ),
         (
-            "loss_fn:\n  reference_policy_kl_penalty: 0.01\n",
-            "loss_fn.reference_policy_kl_penalty",
-            "reference policy",
+            "loss_fn:\n  reference_policy_kl_penalty: 0.01\n  use_kl_in_reward: true\n",
+            "loss_fn.use_kl_in_reward",
+            "folded into the reward",
         ),
         ("policy:\n  generation: {top_k: 50}\n", "policy.generation.top_k", "top-k"),
-        ("grpo:\n  reward_shaping: {enabled: true}\n", "grpo.reward_shaping", "not implemented"),
+        (
+            "grpo:\n  reward_shaping:\n    {enabled: true, alp_coef: 0.1, overlong_buffer_penalty: 1, overlong_buffer_length: 8}\n",
+            "grpo.reward_shaping.alp_coef",
+            "adaptive length penalty",
+        ),
         ("data_plane:\n  backend: mooncake_cpu\n", "data_plane.backend", "mooncake_cpu"),
         (
             "policy:\n  scheduler:\n    - name: torch.optim.lr_scheduler.CosineAnnealingLR\n"
