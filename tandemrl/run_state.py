@@ -50,6 +50,11 @@ class ControllerState:
     consumed_groups: int = 0
     dropped_for_step: Counter[int] = field(default_factory=Counter)
 
+    def forget_closed_steps(self) -> None:
+        """Drop the counts of steps already trained (only the open and later steps are asked)."""
+        for step in [step for step in self.dropped_for_step if step < self.trainer_version]:
+            del self.dropped_for_step[step]
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "step": self.step,

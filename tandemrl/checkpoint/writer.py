@@ -7,7 +7,8 @@ the replacement reserve and the sampler's dispatch position. The rows and the in
 under the checkpoint barrier, so they describe the same groups.
 
 Periodic rollout snapshot (``rollout_checkpointing.snapshot_attempt_interval_s``): the rollout
-state alone, anchored on the trainer checkpoint of the current step. An attempt after step N
+state alone, anchored on the trainer checkpoint of the current step (and one more at a graceful
+stop whose step is already checkpointed). An attempt after step N
 succeeds only when ``step_N`` is durable; before the first step, snapshots are anchored on the
 bootstrap manifest (initial model + config fingerprint). ``keep_latest_k`` snapshots are kept
 per anchor; bootstrap snapshots are removed once a trainer checkpoint is durable.
@@ -274,6 +275,11 @@ class CheckpointWriter:
             shutil.rmtree(root, ignore_errors=True)
 
     # ------------------------------------------------------------------ rollout snapshots
+
+    @property
+    def snapshots_enabled(self) -> bool:
+        """Periodic rollout snapshots are on (``snapshot_attempt_interval_s``)."""
+        return self.cfg.rollout_checkpointing.snapshot_attempt_interval_s is not None
 
     def ensure_bootstrap_anchor(self) -> Path:
         root = bootstrap_dir(self.checkpoint_dir)

@@ -656,6 +656,10 @@ class ClusterConfig(Strict):
     num_cpus: int | None = Field(None, ge=1)
     num_gpus: int | None = Field(None, ge=0)
     namespace: str = "tandemrl"
+    # Whether the run's actors report their calls to Ray's task-event store in the GCS (what
+    # `ray list tasks` and the dashboard's task view read). Each call is a record there, kept
+    # until the store's cap (docs/long_runs.md); off, a long run's GCS stays flat.
+    ray_task_events: bool = False
 
 
 class WandbConfig(Strict):

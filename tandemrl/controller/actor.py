@@ -148,6 +148,8 @@ class SingleControllerActor:
             ]
             if self.cfg.is_distillation
             else None,
+            # A long run keeps nothing per trained group (the journal records them).
+            keep_trained_groups=False,
         )
         return build_controller(self.cfg, parts, model_path=self.model_path)
 

@@ -81,6 +81,9 @@ class ControllerParts:
     tokenizer: Any = None
     # Held-out prompts for validation passes (default: from cfg.data.validation).
     validation_prompts: list[PromptItem] | None = None
+    # Keep a record of every trained group (``SingleController.trained_groups``) for tests and
+    # in-process runs; the Ray controller actor turns it off so a long run does not grow.
+    keep_trained_groups: bool = True
 
 
 def make_step_runner(
@@ -341,6 +344,7 @@ def build_controller(
         watchdog_cfg=cfg.async_rl.stall_watchdog,
         metrics_sink=parts.metrics_sink,
         services=[] if agents is None else [agents],
+        keep_trained_groups=parts.keep_trained_groups,
         validation=validation,
     )
 
@@ -449,6 +453,8 @@ def build_fake_controller(
     dataloader: PromptDataLoader | None = None,
     step_hooks: list[StepHook] | None = None,
     teacher_engines: list[list[Any]] | None = None,
+    metrics_sink: StepSink | None = None,
+    keep_trained_groups: bool = True,
 ) -> SingleController:
     """A controller over fakes (tests and benchmarks): counting task, fake text codec."""
     from tandemrl.envs.counting import CountingEnv
@@ -461,5 +467,7 @@ def build_fake_controller(
         codec=fake_codec(),
         dataloader=dataloader,
         teacher_engines=teacher_engines,
+        metrics_sink=metrics_sink,
+        keep_trained_groups=keep_trained_groups,
     )
     return build_controller(cfg, parts, step_hooks=step_hooks)

@@ -28,6 +28,10 @@ the run uses GPUs (``cpu``: none, however many the cluster has; ``cuda``: it nee
 
 The controller actor reserves no CPU: it spends its time waiting on the workers.
 
+Every actor is created with ``enable_task_events=cluster.ray_task_events`` (off by default):
+a call then leaves no record in Ray's task-event store in the GCS, which otherwise grows with
+every call of a long run (docs/long_runs.md).
+
 Weight sync: ``policy.generation.weight_sync`` is settled here from the cluster's GPUs
 (``tandemrl.config.weight_sync``) and handed to the controller actor, which builds the
 synchroniser (``tandemrl.controller.actor.make_weight_sync``).
@@ -36,6 +40,7 @@ synchroniser (``tandemrl.controller.actor.make_weight_sync``).
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -214,6 +219,35 @@ def _plan_policy_placement(
     return Placement(cpus_each, generation_gpus / workers, cpus_each, 1.0)
 
 
+# Longest wait for the run's actors to be killed at the end (a Ray call that needs the GCS
+# never answers once the GCS is gone).
+TEARDOWN_DEADLINE_S = 10.0
+
+
+def call_with_deadline(call: Callable[[], object], *, deadline_s: float, what: str) -> bool:
+    """Run ``call`` on a daemon thread and wait at most ``deadline_s`` for it; False (with a
+    warning naming ``what``) when it did not return in time. An exception it raises is
+    logged: teardown goes on with the next step."""
+    failure: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            call()
+        except BaseException as exc:  # logged below: the teardown goes on
+            failure.append(exc)
+
+    thread = threading.Thread(target=target, name=f"teardown: {what}", daemon=True)
+    thread.start()
+    thread.join(deadline_s)
+    if thread.is_alive():
+        log.warning("%s did not finish within %g s; going on without it", what, deadline_s)
+        return False
+    if failure:
+        log.warning("%s failed: %r", what, failure[0])
+        return False
+    return True
+
+
 @dataclass
 class Launched:
     controller: Any
@@ -225,13 +259,18 @@ class Launched:
     # On-policy distillation: each teacher's worker actors, in teacher order.
     teachers: list[list[Any]] = field(default_factory=list)
 
-    def shutdown(self) -> None:
+    def shutdown(self, *, deadline_s: float = TEARDOWN_DEADLINE_S) -> bool:
+        """Kill the run's actors; False when Ray did not answer within ``deadline_s``."""
         import ray
 
         critic = [] if self.value_trainer is None else [self.value_trainer]
         teachers = [handle for workers in self.teachers for handle in workers]
-        for handle in [self.controller, self.trainer, *critic, *self.engines, *teachers]:
-            ray.kill(handle, no_restart=True)
+        handles = [self.controller, self.trainer, *critic, *self.engines, *teachers]
+        return call_with_deadline(
+            lambda: [ray.kill(handle, no_restart=True) for handle in handles],
+            deadline_s=deadline_s,
+            what="killing the run's actors",
+        )
 
 
 def launch(
@@ -272,8 +311,10 @@ def launch(
         recompute_kv_cache_after_weight_updates=cfg.async_rl.recompute_kv_cache_after_weight_updates,
         seed=algo.seed,
     )
+    # No record per call in the GCS (cluster.ray_task_events); see the module docstring.
+    events = {"enable_task_events": cfg.cluster.ray_task_events}
     engines = [
-        worker_class.remote(
+        worker_class.options(**events).remote(
             model_path,
             backend=backend,
             policy_cfg=cfg.policy,
@@ -288,6 +329,7 @@ def launch(
         seed=algo.seed,
         num_cpus=placement.trainer_cpus,
         num_gpus=placement.trainer_gpus,
+        **events,
     )
     value_trainer = None
     if cfg.is_ppo:
@@ -303,11 +345,12 @@ def launch(
             activation_checkpointing=cfg.policy.dtensor_cfg.activation_checkpointing,
             num_cpus=placement.value_cpus,
             num_gpus=placement.value_gpus,
+            **events,
         )
     teachers = launch_teachers(cfg, placement)
     controller = (
         ray.remote(num_cpus=0, max_concurrency=8)(SingleControllerActor)  # type: ignore[call-overload]  # ray types no actor options here
-        .options(name=None)
+        .options(name=None, **events)
         .remote(
             cfg,
             model_path,

@@ -148,6 +148,7 @@ class SingleController:
         metrics_sink: StepSink | None = None,
         services: list[RunService] | None = None,
         validation: ValidationSetup | None = None,
+        keep_trained_groups: bool = True,
     ) -> None:
         self.settings = settings
         self.services = list(services or [])
@@ -203,7 +204,10 @@ class SingleController:
         # display); a controller run without a driver keeps them all.
         self.history: list[dict[str, float]] = []
         self._history_taken = 0  # rows taken and forgotten before history[0]
-        # (step index, group) for every group trained by this process: the per-run record.
+        # (step index, group) for every group trained by this process, for tests and
+        # in-process runs to inspect; off under ``tandemrl train`` (keep_trained_groups=False),
+        # where nothing is kept per group once its step closed and the journal has it.
+        self.keep_trained_groups = keep_trained_groups
         self.trained_groups: list[tuple[int, TrainedGroup]] = []
         # The third producer (None: no validation pass is scheduled).
         self.validation: ValidationRunner | None = None
@@ -260,6 +264,33 @@ class SingleController:
             del self.history[:forget]
             self._history_taken += forget
         return self.history[max(since - self._history_taken, 0) :]
+
+    def retained_records(self) -> dict[str, int]:
+        """How many records each container that a step or a group adds to holds now.
+
+        On a long run each stays bounded by the config (groups in flight, buffer capacity,
+        rows not yet taken by the driver), never by the number of steps run: the unit tests
+        and ``benchmarks/controller_heap.py`` check it.
+        """
+        manager = self.rollout_manager
+        return {
+            "history": len(self.history),
+            "trained_groups": len(self.trained_groups),
+            "inflight": len(self._inflight),
+            "inflight_started_at": len(self.inflight_started_at),
+            "abort_requested": len(self._abort_requested),
+            "step_groups": len(self._acc.groups),
+            "buffer_slots": len(self.buffer),
+            "ledger_groups": len(self.run_state.ledger),
+            "dropped_for_step": len(self.state.dropped_for_step),
+            "replacement_credits": len(self.sampler.replacement_credits),
+            "replacement_reserve": len(self.run_state.replacement_reserve),
+            "recovered_groups": len(self.run_state.recovered_groups),
+            "active_requests": len(manager.active_requests),
+            "recent_samples": len(manager.recent_samples),
+            "eviction_warnings": len(self.eviction_watch.warnings),
+            "generation_batches": self.generation.open_batches,
+        }
 
     def request_stop(self) -> None:
         """Stop gracefully: admit nothing more, start no new step, end the step being
@@ -791,7 +822,8 @@ class SingleController:
                 [meta.env_metrics for meta in metas],  # env_metrics
             )
             self._acc.groups.append(trained)
-            self.trained_groups.append((self.state.step, trained))
+            if self.keep_trained_groups:
+                self.trained_groups.append((self.state.step, trained))
 
     async def _filter_zero_advantage(
         self, slots: list[Slot], *, min_groups: int
@@ -838,6 +870,7 @@ class SingleController:
             self.state.consumed_groups += len(group_ids)
             self.state.trainer_version += 1
             self.state.step += 1
+            self.state.forget_closed_steps()
             self._rollout_permission.clear()
         if self.events is not None:
             self.events.trained(self.state.step, group_ids)
@@ -936,11 +969,17 @@ class SingleController:
                 task.cancel()
 
     async def _final_checkpoint(self) -> None:
+        """The last step's trainer checkpoint, unless it is written already (it holds the
+        rollout state of now). A graceful stop after it writes a rollout snapshot instead,
+        with rollout snapshots on: groups finished since, and staged siblings, are kept."""
         checkpointer = self.checkpointer
-        if checkpointer is None or self.state.step == 0:
+        if checkpointer is None:
             return
-        if checkpointer.last_saved_step != self.state.step:
+        if self.state.step > 0 and checkpointer.last_saved_step != self.state.step:
             await checkpointer.save_trainer_checkpoint()
+        elif self.stop_requested and checkpointer.snapshots_enabled:
+            snapshot = await checkpointer.attempt_snapshot()
+            log.info("rollout snapshot at the stop: %s", snapshot)
 
     async def _maybe_checkpoint(self) -> None:
         if self.checkpointer is not None and self.checkpointer.due(self.state.step, last=False):

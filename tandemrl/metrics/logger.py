@@ -39,6 +39,7 @@ import math
 import os
 import shutil
 import tempfile
+from array import array
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
@@ -169,8 +170,11 @@ class MetricsLogger:
         self.plot_path = self.log_dir / PLOT_FILE
         self.resume_step = resume_step
         self.overwrite = overwrite
-        # (step, reward_mean, tokens_per_s) of every step in this run's history, for the plot.
-        self._history: list[tuple[int, float, float]] = []
+        # step, reward_mean and tokens_per_s of every step in this run's history, for the
+        # plot: packed (8 bytes a value), so a 100k-step run holds 2.4 MB, not 15.
+        self._steps = array("q")
+        self._rewards = array("d")
+        self._throughputs = array("d")
         # Validation passes of this run's history by version (what validation.jsonl holds).
         self._validation: dict[int, dict[str, Any]] = {}
         # Passes reported before the first step: written with it (see the module docstring).
@@ -254,9 +258,9 @@ class MetricsLogger:
 
     def _remember(self, record: Mapping[str, Any]) -> None:
         step = int(record["step"])
-        reward = float(record.get("reward_mean", math.nan))
-        throughput = float(record.get("tokens_per_s", math.nan))
-        self._history.append((step, reward, throughput))
+        self._steps.append(step)
+        self._rewards.append(float(record.get("reward_mean", math.nan)))
+        self._throughputs.append(float(record.get("tokens_per_s", math.nan)))
         self._last_step = step
 
     def log_step(self, metrics: Mapping[str, Any]) -> None:
@@ -365,7 +369,7 @@ class MetricsLogger:
             self._writer.close()
         for tracker in self._trackers:
             tracker.close()
-        if self.cfg.plot and self._history:
+        if self.cfg.plot and self._steps:
             self.write_plot()
 
     def write_plot(self) -> Path:
@@ -373,13 +377,11 @@ class MetricsLogger:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
 
-        steps = [step for step, _, _ in self._history]
+        steps = self._steps
         figure = Figure(figsize=(8, 6), layout="constrained")
         FigureCanvasAgg(figure)
         reward_axes, throughput_axes = figure.subplots(2, 1, sharex=True)
-        reward_axes.plot(
-            steps, [reward for _, reward, _ in self._history], color="tab:blue", label="train"
-        )
+        reward_axes.plot(steps, self._rewards, color="tab:blue", label="train")
         validated = [
             (version, float(row["val/reward_mean"]))
             for version, row in sorted(self._validation.items())
@@ -396,7 +398,7 @@ class MetricsLogger:
             reward_axes.legend(loc="best")
         reward_axes.set_ylabel("reward_mean")
         reward_axes.grid(alpha=0.3)
-        throughput_axes.plot(steps, [tps for _, _, tps in self._history], color="tab:orange")
+        throughput_axes.plot(steps, self._throughputs, color="tab:orange")
         throughput_axes.set_ylabel("tokens_per_s")
         throughput_axes.set_xlabel("step")
         throughput_axes.grid(alpha=0.3)

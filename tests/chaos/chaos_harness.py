@@ -1,4 +1,5 @@
-"""Kill a real ``tandemrl train`` run with SIGKILL at chosen moments, restart it, audit it.
+"""Kill a real ``tandemrl train`` run at chosen moments (SIGKILL, or SIGTERM: the graceful
+stop a scheduler asks for), restart it, audit it.
 
 Used by ``tests/chaos/test_sigkill.py`` (a few kills, CI) and ``benchmarks/chaos_restart.py``
 (more kills, random times). One attempt is one ``tandemrl train`` subprocess in its own
@@ -23,6 +24,11 @@ Kill points, detected from outside by polling the checkpoint directory and the r
   in four) 2-45 s after the process started: a kill during start-up or restore.
 - ``with_buffered_groups``: this attempt trained a step and published its trainer
   checkpoint, and at least two groups it committed wait untrained in the buffer.
+
+A kill point written ``<point>:SIGTERM`` (e.g. ``mid_generation:SIGTERM``) sends SIGTERM to
+the driver's process group at that moment instead, as ``timeout`` or a batch scheduler does:
+the run stops gracefully (last checkpoint or rollout snapshot, exit 143) and the attempt is
+then checked to have left no process behind.
 
 ``audit`` replays the journal (``tandemrl.checkpoint.journal.lineage``) into the proof, and
 with validation on, counts the passes reported per version in the final lineage.
@@ -168,12 +174,24 @@ def distillation_shape(**kwargs: Any) -> RunShape:
 @dataclass
 class Kill:
     attempt: int
-    point: str
+    point: str  # as given: "mid_generation", "mid_generation:SIGTERM"
     hit: bool  # the kill point was observed (False: the fallback timer fired instead)
     seconds_after_start: float
     trained_steps_seen: int  # trained events in the journal at the kill
     detail: str = ""
     processes: int = 0  # processes of the run (driver, Ray daemons, workers) killed
+    signal: str = "SIGKILL"
+    returncode: int | None = None  # SIGTERM: the driver's exit code (143: a graceful stop)
+    left_behind: int = 0  # SIGTERM: processes of the run still alive after the stop
+
+
+def split_kill_point(entry: str) -> tuple[str, str]:
+    """``mid_generation`` -> (mid_generation, SIGKILL); ``mid_generation:SIGTERM`` -> SIGTERM."""
+    point, _, sig = entry.partition(":")
+    sig = sig or "SIGKILL"
+    if sig not in ("SIGKILL", "SIGTERM"):
+        raise ValueError(f"kill point {entry!r}: the signal is SIGKILL or SIGTERM")
+    return point, sig
 
 
 @dataclass
@@ -403,6 +421,25 @@ class Attempt:
         self._remove_ray_session()
         return stragglers
 
+    def stop_with_sigterm(self, timeout_s: float = 240.0) -> tuple[int, int]:
+        """SIGTERM to the driver's process group; wait for the graceful stop. Returns (exit
+        code, processes of the run still alive 20 s after the driver exited); every process
+        left is then killed."""
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            returncode = self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill_everything()
+            raise RuntimeError(
+                f"the run did not stop within {timeout_s} s of SIGTERM:\n{self.tail()}"
+            ) from None
+        deadline = time.monotonic() + 20
+        while _marked_pids(self.marker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = len(_marked_pids(self.marker))
+        self.kill_everything()
+        return returncode, left
+
     def _remove_ray_session(self) -> None:
         # Ray names the session after the driver's pid; other runs' sessions are left alone.
         for session in RAY_SESSIONS.glob(f"session_*_{self.process.pid}"):
@@ -621,7 +658,8 @@ def run_with_kills(
                 # A finished run leaves nothing behind either.
                 report.stragglers_killed += attempt.kill_everything()
                 break
-            point = KillPoint(pending[0], rng)
+            point_name, kill_signal = split_kill_point(pending[0])
+            point = KillPoint(point_name, rng)
             detail, hit = _wait_for(point, attempt, observer, point_timeout_s)
             if not attempt.running():
                 # It finished (or crashed) before the kill point: nothing more to kill.
@@ -633,16 +671,22 @@ def run_with_kills(
                 break
             trained_seen = sum(event["event"] == "trained" for event in observer.events())
             processes = len(attempt.pids())
-            report.stragglers_killed += attempt.kill_everything()
-            pending.pop(0)
+            returncode, left_behind = None, 0
+            if kill_signal == "SIGTERM":
+                returncode, left_behind = attempt.stop_with_sigterm()
+            else:
+                report.stragglers_killed += attempt.kill_everything()
             kill = Kill(
                 attempt.index,
-                point.point,
+                pending.pop(0),
                 hit,
                 round(attempt.elapsed(), 2),
                 trained_seen,
                 detail,
                 processes,
+                kill_signal,
+                returncode,
+                left_behind,
             )
             report.kills.append(kill)
             log(f"kill {len(report.kills)}: {kill}")

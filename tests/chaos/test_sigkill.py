@@ -1,19 +1,22 @@
-"""SIGKILL the real tiny CPU run at chosen points, restart it until it finishes, prove from
-the run journal that every prompt of every epoch was trained exactly once and that no finished
-group or sibling was generated twice (the commit log keeps what committed after the newest
-snapshot).
+"""SIGKILL (and SIGTERM) the real tiny CPU run at chosen points, restart it until it finishes,
+prove from the run journal that every prompt of every epoch was trained exactly once and that
+no finished group or sibling was generated twice (the commit log keeps what committed after the
+newest snapshot).
 
-The kill points (see ``chaos_harness``): mid-generation right after a step closed, with that
-version's validation pass open (its checkpoint holds it open), while a trainer checkpoint is
-being written, and while a rollout snapshot is being written. The run validates every 8
-versions: every pass is reported exactly once, the one open at the kill after the restart.
-Each restart is the same ``tandemrl train`` command; it resumes from the newest compatible
-bundle. ``benchmarks/chaos_restart.py`` is the longer variant (more kills, random times).
+The kill points (see ``chaos_harness``): SIGKILL mid-generation right after a step closed,
+with that version's validation pass open (its checkpoint holds it open), while a trainer
+checkpoint is being written, and while a rollout snapshot is being written; then SIGTERM to
+the run's process group mid-generation (a preemption: the run stops gracefully, exit 143, and
+leaves no process). The run validates every 8 versions: every pass is reported exactly once,
+the one open at the kill after the restart. Each restart is the same ``tandemrl train``
+command; it resumes from the newest compatible bundle. ``benchmarks/chaos_restart.py`` is the
+longer variant (more kills, random times).
 """
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from chaos_harness import (
@@ -31,8 +34,13 @@ CHAOS_CONFIGS = REPO / "examples" / "configs"
 pytestmark = pytest.mark.chaos
 
 # validation_open also stands for mid_generation (rollouts are in flight when a pass opens),
-# which keeps the test at three kills.
-CI_KILL_POINTS = ["validation_open", "trainer_checkpoint_write", "snapshot_write"]
+# which keeps the test at four kills.
+CI_KILL_POINTS = [
+    "validation_open",
+    "trainer_checkpoint_write",
+    "snapshot_write",
+    "mid_generation:SIGTERM",
+]
 
 
 def test_sigkill_and_restart_trains_every_prompt_exactly_once(tmp_path):
@@ -51,6 +59,14 @@ def test_sigkill_and_restart_trains_every_prompt_exactly_once(tmp_path):
     # a mid-run kill takes the Ray workers too (own process groups): driver, gcs, raylet, at
     # least the generation worker, the trainer and the controller actor
     assert kills["validation_open"].processes >= 6, kills
+    # the preemption: a graceful stop with 128 + SIGTERM, no process of the run left behind,
+    # and it said where it stopped and how to resume
+    preempted = kills["mid_generation:SIGTERM"]
+    assert preempted.hit and preempted.returncode == 143, kills
+    assert preempted.left_behind == 0, kills
+    stop_log = (tmp_path / f"attempt_{preempted.attempt:02d}.log").read_text()
+    assert re.search(r"stopped at step \d+; run the same command to resume", stop_log)
+    assert "Traceback" not in stop_log
     # the snapshot write is a few milliseconds long: seen most of the time, not always
     # interrupted folders are swept by the next successful write, never left to pile up
     assert leftover_temporaries(tmp_path / "ckpt") == []
