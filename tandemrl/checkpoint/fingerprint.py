@@ -90,6 +90,13 @@ BUILTIN_EXCLUDED_PATHS: tuple[str, ...] = (
     "policy.dtensor_cfg.activation_checkpointing",
     "value.train_micro_batch_size",
     "env.python_path",  # where env.target is imported from, not what it computes
+    # Where and how agents reach the policy, not what it generates or how it is trained.
+    "policy.generation.http_server.enabled",
+    "policy.generation.http_server.host",
+    "policy.generation.http_server.port",
+    "policy.generation.http_server.served_model_name",
+    "policy.generation.http_server.max_request_bytes",
+    "env.agent.client",
     # distillation: where and how fast teachers score, not what (the teacher set itself, its
     # models, precision and routes, stays in the identity)
     "on_policy_distillation.max_num_steps",
@@ -242,6 +249,13 @@ ROLLOUT_SEMANTIC_PATHS: tuple[str, ...] = (
     "env.name",
     "env.target",
     "env.kwargs",
+    # agents: the sampling a request may ask for, and the episodes' limits and deadlines
+    "policy.generation.http_server.allow_sampling_overrides",
+    "env.agent.max_turns",
+    "env.agent.max_tokens_per_turn",
+    "env.agent.max_tokens_per_episode",
+    "env.agent.call_timeout_s",
+    "env.agent.episode_timeout_s",
 )
 
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
+from tandemrl.agents.runner import AgentRollouts
+from tandemrl.agents.setup import make_agent_rollouts
 from tandemrl.barrier import CheckpointBarrier
 from tandemrl.buffer import ReplayBuffer
 from tandemrl.checkpoint.commit_log import CommitLog
@@ -58,7 +60,7 @@ from tandemrl.training.rewards import RewardTransform
 class ControllerParts:
     trainer: Any
     engines: list[Any]
-    env: Environment
+    env: Environment | None  # None on an agent run (env.name: agent): the agent scores
     codec: TextCodec
     # default: DirectWeightSync(trainer, pool); a callable gets the generation pool
     weight_sync: WeightSynchronizer | Callable[[GenerationPool], WeightSynchronizer] | None = None
@@ -73,6 +75,10 @@ class ControllerParts:
     coalesce_generate_calls: bool = False
     # Where each step's metrics row is written before its checkpoint (None: kept in history).
     metrics_sink: StepSink | None = None
+    # Agent runs (env.name: agent): the agent, and the tokenizer whose chat template the
+    # policy endpoint renders requests with.
+    agent: Any = None
+    tokenizer: Any = None
     # Held-out prompts for validation passes (default: from cfg.data.validation).
     validation_prompts: list[PromptItem] | None = None
     # Keep a record of every trained group (``SingleController.trained_groups``) for tests and
@@ -225,7 +231,11 @@ def build_controller(
         controller=ControllerState(),
         buffer=buffer,
         sampler=sampler,
-        ledger=OwnershipLedger(cfg.rollout_recovery, token_capture=cfg.token_capture.enabled),
+        ledger=OwnershipLedger(
+            cfg.rollout_recovery,
+            token_capture=cfg.token_capture.enabled,
+            default_agent_ref=cfg.env.target if cfg.env.name == "agent" else None,
+        ),
         budgets=FailureBudgets(failure),
         dataloader=dataloader,
         validation=None
@@ -276,6 +286,11 @@ def build_controller(
                 records_reserve=failure.on_dropped_prompt == "replace",
                 journal=journal,
             )
+    agents = None
+    if cfg.env.name == "agent":
+        agents = _agent_rollouts(cfg, parts, pool, stop_ids)
+    elif parts.env is None:
+        raise ValueError(f"env.name={cfg.env.name!r} needs an environment (ControllerParts.env)")
     teachers = make_teacher_scorer(cfg, parts.teacher_engines)
     distill = cfg.on_policy_distillation
     manager = RolloutManager(
@@ -299,6 +314,7 @@ def build_controller(
         overlong_filtering=algo.overlong_filtering,
         seed=algo.seed,
         events=events,
+        agents=agents,
         reward_transform=RewardTransform(scaling=algo.reward_scaling, shaping=algo.reward_shaping),
         teachers=teachers,
         teacher_stage=distill is not None and distill.teacher_scoring == "rollout",
@@ -327,8 +343,25 @@ def build_controller(
         commit_log=commit_log,
         watchdog_cfg=cfg.async_rl.stall_watchdog,
         metrics_sink=parts.metrics_sink,
+        services=[] if agents is None else [agents],
         keep_trained_groups=parts.keep_trained_groups,
         validation=validation,
+    )
+
+
+def _agent_rollouts(
+    cfg: MasterConfig, parts: ControllerParts, pool: GenerationPool, stop_ids: tuple[int, ...]
+) -> AgentRollouts:
+    """The agent episodes' runner (and its endpoint) for an agent run."""
+    if parts.agent is None:
+        raise ValueError("env.name: agent needs the agent (ControllerParts.agent)")
+    return make_agent_rollouts(
+        cfg,
+        agent=parts.agent,
+        tokenizer=parts.tokenizer,
+        codec=parts.codec,
+        pool=pool,
+        stop_token_ids=stop_ids,
     )
 
 

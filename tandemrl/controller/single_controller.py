@@ -52,7 +52,7 @@ from tandemrl.checkpoint.writer import CheckpointWriter
 from tandemrl.config.models import StallWatchdogConfig
 from tandemrl.controller.dynamic_sampling import DynamicSampling
 from tandemrl.controller.eviction_warning import EvictionWatch
-from tandemrl.controller.step_metrics import StepAccumulator, TrainedGroup
+from tandemrl.controller.step_metrics import StepAccumulator, TrainedGroup, episode_rewards
 from tandemrl.controller.step_runner import StepRunner
 from tandemrl.controller.validation import ValidationRunner, ValidationSetup, describe_pass
 from tandemrl.controller.watchdog import stall_watchdog
@@ -105,6 +105,15 @@ class ControllerSettings:
 StepHook = Callable[["SingleController", dict[str, float]], Awaitable[None]]
 
 
+class RunService(Protocol):
+    """Something that runs beside the pumps for the whole run (the agents' policy endpoint):
+    started before the pumps, stopped after them."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
 class StepSink(Protocol):
     """Where each step's metrics row (and now and then a few samples) is written, in the
     controller's process, before the step's checkpoint (``tandemrl.metrics.MetricsLogger``)."""
@@ -137,10 +146,12 @@ class SingleController:
         commit_log: CommitLog | None = None,
         watchdog_cfg: StallWatchdogConfig | None = None,
         metrics_sink: StepSink | None = None,
+        services: list[RunService] | None = None,
         validation: ValidationSetup | None = None,
         keep_trained_groups: bool = True,
     ) -> None:
         self.settings = settings
+        self.services = list(services or [])
         self.metrics_sink = metrics_sink
         self.run_state = run_state
         # The parts of the run state the pumps touch per group, bound once (the same objects:
@@ -324,6 +335,17 @@ class SingleController:
         self._fatal = asyncio.get_running_loop().create_future()
         if self.commit_log is not None and not self.commit_log.opened:
             self.commit_log.open(parent=None)  # not resumed through checkpoint.restore.resume
+        started: list[RunService] = []
+        try:
+            for service in self.services:
+                await service.start()
+                started.append(service)
+            return await self._run_pumps(self._fatal)
+        finally:
+            for service in reversed(started):
+                await service.stop()
+
+    async def _run_pumps(self, fatal: asyncio.Future[None]) -> list[dict[str, float]]:
         if self.validation is not None:
             # Passes a restore re-opened continue; val_at_start opens version 0's pass.
             self.validation.resume_open_passes()
@@ -357,7 +379,7 @@ class SingleController:
         thresholds = gc.get_threshold()
         gc.set_threshold(GC_YOUNG_THRESHOLD, *thresholds[1:])
         try:
-            pending: set[asyncio.Future[Any]] = {*background, train, self._fatal}
+            pending: set[asyncio.Future[Any]] = {*background, train, fatal}
             while train in pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
@@ -792,7 +814,10 @@ class SingleController:
                 slot.end_weight,
                 slot.target_step,
                 version - slot.start_weight,  # staleness
-                [meta.reward for meta in metas],  # rewards
+                # rewards: one per sibling (an agent episode split into rows counts once)
+                [meta.reward for meta in metas]
+                if len(metas) == self.settings.group_size
+                else episode_rewards(metas),
                 sum([meta.num_completion_tokens for meta in metas]),  # completion_tokens
                 [meta.env_metrics for meta in metas],  # env_metrics
             )

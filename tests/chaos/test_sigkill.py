@@ -20,6 +20,7 @@ import re
 
 import pytest
 from chaos_harness import (
+    REPO,
     RunShape,
     audit,
     distillation_shape,
@@ -27,6 +28,8 @@ from chaos_harness import (
     leftover_temporaries,
     run_with_kills,
 )
+
+CHAOS_CONFIGS = REPO / "examples" / "configs"
 
 pytestmark = pytest.mark.chaos
 
@@ -134,3 +137,33 @@ def test_sigkill_of_a_distillation_run_scores_no_committed_group_twice(tmp_path)
     assert [row["step"] for row in rows] == list(range(1, shape.total_steps + 1))
     assert sum(row["train/teacher_groups_scored_in_train_pump"] for row in rows) == 0
     assert all("train/reverse_kl" in row for row in rows)
+
+
+def test_sigkill_of_a_multi_turn_agent_run_loses_and_replays_no_episode(tmp_path):
+    """The agent exemplar (two-turn episodes over the HTTP endpoint), killed mid-generation
+    and while a snapshot is written: finished episodes come back from disk with their turns,
+    unfinished ones are played again from their first turn."""
+    shape = RunShape(
+        num_prompts=24,
+        epochs=1,
+        prompts_per_step=4,
+        generations_per_prompt=4,
+        config=CHAOS_CONFIGS / "grpo_tiny_cpu_agent.yaml",
+        extra=("checkpointing.enabled=true", "checkpointing.save_data_plane=true"),
+    )
+    points = ["mid_generation", "snapshot_write"]
+    report = run_with_kills(tmp_path, points, shape=shape, seed=1)
+    dump(report, tmp_path / "chaos_report.json")
+    print("RESULT", report.result())
+    assert report.final_returncode == 0
+    assert [kill.point for kill in report.kills] == points, report.kills
+    proof = audit(tmp_path / "ckpt", shape)
+    assert proof["groups_lost"] == 0 and proof["groups_duplicated"] == 0, proof
+    assert proof["steps"] == shape.total_steps and proof["step_numbering_continuous"], proof
+    assert proof["regenerated_after_restore"] == [], proof
+    assert proof["groups_regenerated"] == 0 and proof["siblings_regenerated"] == 0, proof
+    assert proof["finished_siblings_generated_again"] == 0, proof
+    # Episodes staged or committed before a kill were restored, not played again.
+    assert (
+        proof["restored_committed"] + proof["restored_staged"] + proof["log_replayed_committed"] > 0
+    ), proof
