@@ -7,7 +7,7 @@
 # What goes in: Python 3.12 (nemo-gym 0.4.0 needs >= 3.12), nemo-gym with its own pins (Ray,
 # FastAPI, uvicorn, openai<=2.7.2, hydra, mlflow, wandb, datasets, ...), and this checkout of
 # TandemRL linked in without its dependencies, so that the resources servers we ship
-# (tandemrl/nemo_gym/servers/) import their scoring from tandemrl.envs. No torch: the trainer
+# (tandemrl/nemo_gym/resources_servers/) import their scoring from tandemrl.envs. No torch: the trainer
 # never runs here. TandemRL itself keeps running in its own environment (Python 3.11, torch
 # 2.13.0 CPU) and talks to Gym over HTTP; docs/nemo_gym.md says why.
 #
@@ -84,7 +84,7 @@ uv=("$uv_bin" pip install --quiet --python "$py")
 
 # Our resources servers, where Gym looks for built-in ones (its install root, site-packages).
 site=$("$py" -c 'import nemo_gym, pathlib; print(pathlib.Path(nemo_gym.__file__).parents[1])')
-for server in "$repo"/tandemrl/nemo_gym/servers/*/; do
+for server in "$repo"/tandemrl/nemo_gym/resources_servers/*/; do
     name=$(basename "$server")
     [ -f "$server/app.py" ] || continue
     ln -sfn "${server%/}" "$site/resources_servers/$name"
