@@ -138,11 +138,16 @@ def _dataset_problems(cfg: MasterConfig) -> list[str]:
 
 def _import_problems(cfg: MasterConfig) -> list[str]:
     problems = []
-    if cfg.env.name == "custom" and cfg.env.target:
+    if cfg.env.name in ("custom", "agent") and cfg.env.target:
+        from tandemrl.agents import agent_class
         from tandemrl.envs import environment_class
 
         try:
-            environment_class(cfg.env)  # imports through env.python_path, as the run will
+            # Imports through env.python_path, as the run will.
+            if cfg.env.name == "agent":
+                agent_class(cfg.env)
+            else:
+                environment_class(cfg.env)
         except (ImportError, TypeError, ValueError) as error:
             problems.append(
                 f"{error} (the module must be importable by `tandemrl train`: installed, or on "

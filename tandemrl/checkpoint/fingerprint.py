@@ -50,6 +50,13 @@ BUILTIN_EXCLUDED_PATHS: tuple[str, ...] = (
     "policy.device",
     "policy.generation.colocated.mps",
     "env.python_path",  # where env.target is imported from, not what it computes
+    # Where and how agents reach the policy, not what it generates or how it is trained.
+    "policy.generation.http_server.enabled",
+    "policy.generation.http_server.host",
+    "policy.generation.http_server.port",
+    "policy.generation.http_server.served_model_name",
+    "policy.generation.http_server.max_request_bytes",
+    "env.agent.client",
 )
 
 

@@ -99,6 +99,25 @@ class TorchGenerationConfig(Strict):
     steps_per_launch: int = Field(1, ge=1)
 
 
+class HttpServerConfig(Strict):
+    """The OpenAI-compatible policy endpoint agents talk to (tandemrl/agents/server.py)."""
+
+    # Serve it (in the controller's process, in front of the generation workers); agents get
+    # an HTTP client pointed at it (env.agent.client: auto).
+    enabled: bool = False
+    # Loopback by default; an address (or 0.0.0.0) for agents on other nodes.
+    host: str = "127.0.0.1"
+    # 0: a free port, picked when the server starts.
+    port: int = Field(0, ge=0, le=65535)
+    # The one `model` a request may name; GET /v1/models lists it.
+    served_model_name: str = Field("policy", min_length=1)
+    # A request body above this many bytes is refused (400).
+    max_request_bytes: int = Field(1_048_576, ge=1024)
+    # True: a request may ask for another temperature/top_p than policy.generation's (the
+    # logprobs are then those of the requested distribution); false refuses it (400).
+    allow_sampling_overrides: bool = False
+
+
 class GenerationConfig(Strict):
     backend: Literal["torch", "vllm", "megatron", "fake"] = "torch"
     temperature: float = Field(1.0, ge=0.0)
@@ -124,6 +143,8 @@ class GenerationConfig(Strict):
     weight_sync_timeout_s: float = Field(120.0, gt=0.0)
     # Only for backend "fake" (tests and benchmarks): per-request latency model.
     fake_latency: dict[str, Any] | None = None
+    # The reference spec's expose_http_server: an OpenAI-compatible endpoint for agents.
+    http_server: HttpServerConfig = HttpServerConfig()
 
 
 class DTensorConfig(Strict):
@@ -410,7 +431,13 @@ class RolloutCheckpointingConfig(Strict):
 
 
 class TokenCaptureConfig(Strict):
+    # Finished siblings (agent episodes too) are kept with their tokens in the ownership
+    # ledger and the commit log, so a restart or a retry never regenerates them.
     enabled: bool = False
+    # Agent episodes (env.name: agent): what to do when a turn's prompt does not start with
+    # the previous turn's prompt + completion ids. split: the turn starts a new training row
+    # (counted as agent/prefix_split_frac); error: the episode fails (a data failure).
+    on_prefix_mismatch: Literal["split", "error"] = "split"
 
 
 Granularity = Literal["sibling", "prompt_group"]
@@ -449,14 +476,42 @@ class DataConfig(Strict):
     messages_key: str = "messages"
 
 
+class AgentConfig(Strict):
+    """Multi-turn agents (env.name: agent); see docs/agents.md."""
+
+    # How an agent reaches the policy: http (an openai.AsyncOpenAI client on the endpoint,
+    # policy.generation.http_server), in_process (a client with the same surface that calls
+    # the policy directly), auto (http when the endpoint is enabled, else in_process).
+    client: Literal["auto", "http", "in_process"] = "auto"
+    # Calls (turns) one episode may make; the call after the last is refused (409) and the
+    # episode ends truncated.
+    max_turns: int = Field(8, ge=1)
+    # Tokens one turn may generate (a request's max_tokens is cut to it); None:
+    # policy.generation.max_new_tokens.
+    max_tokens_per_turn: int | None = Field(None, ge=1)
+    # Tokens the episode's turns may generate together; None: no limit beyond the context
+    # (policy.max_total_sequence_length, prompt + completion of each call).
+    max_tokens_per_episode: int | None = Field(None, ge=1)
+    # Deadline of one call's generation, in awake time (frozen while a colocated engine stands
+    # down); None: none. Passing it is an infrastructure failure of the episode.
+    call_timeout_s: float | None = Field(None, gt=0.0)
+    # Deadline of one whole agent run, in awake time; passing it is a data failure of the
+    # sibling (an agent or tool that hangs).
+    episode_timeout_s: float = Field(300.0, gt=0.0)
+
+
 class EnvConfig(Strict):
-    name: Literal["counting", "math", "custom"] = "counting"
-    # env.name == custom: "module:ClassName" of an Environment subclass.
+    name: Literal["counting", "math", "custom", "agent"] = "counting"
+    # env.name == custom: "module:ClassName" of an Environment subclass; env.name == agent:
+    # "module:ClassName" of a tandemrl.agents.Agent subclass.
     target: str | None = None
     kwargs: dict[str, Any] = {}
-    # env.name == custom: directories put first on the import path of the process that builds
-    # the environment (the controller actor), relative ones against its working directory.
+    # env.name == custom or agent: directories put first on the import path of the process
+    # that builds the environment (the controller actor), relative ones against its working
+    # directory.
     python_path: list[str] = []
+    # env.name == agent: limits and deadlines of the agent episodes.
+    agent: AgentConfig = AgentConfig()
 
 
 class ClusterConfig(Strict):

@@ -67,6 +67,7 @@ class _Checker:
         self.check_rollout_recovery()
         self.check_task()
         self.check_env()
+        self.check_agents()
         self.check_prompt_format()
 
     # ------------------------------------------------------------------ sampler class
@@ -573,21 +574,76 @@ class _Checker:
 
     def check_env(self) -> None:
         env = self.cfg.env
-        if env.name == "custom" and not env.target:
-            self.error("env.target: required when env.name is custom ('module:ClassName')")
-        if env.name != "custom" and env.target:
+        takes_target = env.name in ("custom", "agent")
+        if takes_target and not env.target:
+            self.error(f"env.target: required when env.name is {env.name} ('module:ClassName')")
+        if not takes_target and env.target:
             self.error(
-                f"env.target: only used when env.name is custom (env.name is {env.name!r}); "
-                "remove it"
+                f"env.target: only used when env.name is custom or agent (env.name is "
+                f"{env.name!r}); remove it"
             )
-        if env.name != "custom" and env.python_path:
+        if not takes_target and env.python_path:
             self.error(
-                f"env.python_path: only used when env.name is custom (env.name is {env.name!r}); "
-                "remove it"
+                f"env.python_path: only used when env.name is custom or agent (env.name is "
+                f"{env.name!r}); remove it"
             )
         for index, entry in enumerate(env.python_path):
             if not entry.strip():
                 self.error(f"env.python_path[{index}]: empty; give a directory")
+
+    def check_agents(self) -> None:
+        """Agent runs (env.name: agent), the policy endpoint, and the keys only they use."""
+        cfg = self.cfg
+        agent_run = cfg.env.name == "agent"
+        server = cfg.policy.generation.http_server
+        if not agent_run:
+            if server.enabled:
+                self.error(
+                    "policy.generation.http_server.enabled: true serves the policy to agents; "
+                    f"env.name is {cfg.env.name!r} — set env.name: agent (with env.target) or "
+                    "leave the endpoint off"
+                )
+            if cfg.env.agent != type(cfg.env.agent)():
+                self.error(
+                    f"env.agent: set, but env.name is {cfg.env.name!r} — these keys configure "
+                    "agent episodes only; remove them or set env.name: agent"
+                )
+            if cfg.token_capture.on_prefix_mismatch != "split":
+                self.error(
+                    "token_capture.on_prefix_mismatch: applies to agent episodes only "
+                    f"(env.name is {cfg.env.name!r}); remove it or set env.name: agent"
+                )
+            return
+        if cfg.env.agent.client == "http" and not server.enabled:
+            self.error(
+                "env.agent.client: http needs the endpoint: set "
+                "policy.generation.http_server.enabled: true (or env.agent.client: auto / "
+                "in_process)"
+            )
+        if cfg.is_ppo:
+            self.error(
+                "env.name: agent trains with GRPO only; replace ppo: with grpo: (agent "
+                "episodes under PPO are not supported)"
+            )
+        if not cfg.loss_fn.token_level_loss and cfg.token_capture.on_prefix_mismatch == "split":
+            self.error(
+                "loss_fn.token_level_loss: false with env.name: agent and "
+                "token_capture.on_prefix_mismatch: split — a split episode is several rows, "
+                "and a sequence-mean loss would weigh it once per row; use token_level_loss: "
+                "true or on_prefix_mismatch: error"
+            )
+        if cfg.data.prompt_format != "raw":
+            self.error(
+                "data.prompt_format: chat has no effect with env.name: agent — the agent builds "
+                "its own messages and the endpoint renders them with the chat template; remove it"
+            )
+        agent = cfg.env.agent
+        limit = cfg.policy.max_total_sequence_length
+        if agent.max_tokens_per_turn is not None and agent.max_tokens_per_turn >= limit:
+            self.error(
+                f"env.agent.max_tokens_per_turn: {agent.max_tokens_per_turn} leaves no room for "
+                f"a prompt within policy.max_total_sequence_length ({limit}); lower it"
+            )
 
     # ------------------------------------------------------------------ prompts
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from tandemrl.agents import create_agent
 from tandemrl.checkpoint.restore import RestorePlan
 from tandemrl.codec import TextCodec, text_codec
 from tandemrl.config.models import MasterConfig
@@ -44,12 +45,17 @@ from tandemrl.models import load_tokenizer, resolve_tokenizer_path, special_toke
 from tandemrl.rollout.generation_pool import GenerationPool
 
 
-def run_text_codec(cfg: MasterConfig, model_path: str) -> TextCodec:
-    """The run's codec: its tokenizer (``policy.tokenizer.name``, else the model folder's),
-    prompts rendered in ``data.prompt_format``, and every stop id of the model folder and of
-    ``policy.generation`` (``tandemrl.models.special_tokens``)."""
-    tokenizer_path = resolve_tokenizer_path(cfg.policy.tokenizer.name, model_path)
-    tokenizer = load_tokenizer(tokenizer_path)
+def run_tokenizer(cfg: MasterConfig, model_path: str) -> Any:
+    """The run's tokenizer: ``policy.tokenizer.name``, else the model folder's."""
+    return load_tokenizer(resolve_tokenizer_path(cfg.policy.tokenizer.name, model_path))
+
+
+def run_text_codec(cfg: MasterConfig, model_path: str, tokenizer: Any = None) -> TextCodec:
+    """The run's codec: its tokenizer (``run_tokenizer``, unless given), prompts rendered in
+    ``data.prompt_format``, and every stop id of the model folder and of ``policy.generation``
+    (``tandemrl.models.special_tokens``)."""
+    if tokenizer is None:
+        tokenizer = run_tokenizer(cfg, model_path)
     data, generation = cfg.data, cfg.policy.generation
     renderer = PromptRenderer(
         tokenizer,
@@ -114,11 +120,15 @@ class SingleControllerActor:
 
     def _build(self, metrics: MetricsLogger) -> SingleController:
         engines = [ActorProxy(handle) for handle in self.engine_handles]
+        tokenizer = run_tokenizer(self.cfg, self.model_path)
+        agent_run = self.cfg.env.name == "agent"
         parts = ControllerParts(
             trainer=ActorProxy(self.trainer_handle),
             engines=engines,
-            env=create_environment(self.cfg.env),
-            codec=run_text_codec(self.cfg, self.model_path),
+            env=None if agent_run else create_environment(self.cfg.env),
+            agent=create_agent(self.cfg.env) if agent_run else None,
+            tokenizer=tokenizer,
+            codec=run_text_codec(self.cfg, self.model_path, tokenizer),
             weight_sync=lambda pool: make_weight_sync(
                 self.weight_sync,
                 self.trainer_handle,

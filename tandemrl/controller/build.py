@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
+from tandemrl.agents.runner import AgentRollouts
+from tandemrl.agents.setup import make_agent_rollouts
 from tandemrl.barrier import CheckpointBarrier
 from tandemrl.buffer import ReplayBuffer
 from tandemrl.checkpoint.commit_log import CommitLog
@@ -49,7 +51,7 @@ from tandemrl.samplers import PromptGroupSampler, create_sampler
 class ControllerParts:
     trainer: Any
     engines: list[Any]
-    env: Environment
+    env: Environment | None  # None on an agent run (env.name: agent): the agent scores
     codec: TextCodec
     # default: DirectWeightSync(trainer, pool); a callable gets the generation pool
     weight_sync: WeightSynchronizer | Callable[[GenerationPool], WeightSynchronizer] | None = None
@@ -61,6 +63,10 @@ class ControllerParts:
     coalesce_generate_calls: bool = False
     # Where each step's metrics row is written before its checkpoint (None: kept in history).
     metrics_sink: StepSink | None = None
+    # Agent runs (env.name: agent): the agent, and the tokenizer whose chat template the
+    # policy endpoint renders requests with.
+    agent: Any = None
+    tokenizer: Any = None
 
 
 def make_step_runner(
@@ -148,7 +154,11 @@ def build_controller(
         controller=ControllerState(),
         buffer=buffer,
         sampler=sampler,
-        ledger=OwnershipLedger(cfg.rollout_recovery, token_capture=cfg.token_capture.enabled),
+        ledger=OwnershipLedger(
+            cfg.rollout_recovery,
+            token_capture=cfg.token_capture.enabled,
+            default_agent_ref=cfg.env.target if cfg.env.name == "agent" else None,
+        ),
         budgets=FailureBudgets(failure),
         dataloader=dataloader,
     )
@@ -196,6 +206,11 @@ def build_controller(
     stop_ids = tuple(
         dict.fromkeys((*generation_cfg.stop_token_ids, *eos, *parts.codec.stop_token_ids))
     )
+    agents = None
+    if cfg.env.name == "agent":
+        agents = _agent_rollouts(cfg, parts, pool, stop_ids)
+    elif parts.env is None:
+        raise ValueError(f"env.name={cfg.env.name!r} needs an environment (ControllerParts.env)")
     manager = RolloutManager(
         buffer=buffer,
         data_plane=data_plane,
@@ -217,6 +232,7 @@ def build_controller(
         overlong_filtering=algo.overlong_filtering,
         seed=algo.seed,
         events=events,
+        agents=agents,
     )
     return SingleController(
         settings=controller_settings(cfg),
@@ -241,6 +257,23 @@ def build_controller(
         commit_log=commit_log,
         watchdog_cfg=cfg.async_rl.stall_watchdog,
         metrics_sink=parts.metrics_sink,
+        services=[] if agents is None else [agents],
+    )
+
+
+def _agent_rollouts(
+    cfg: MasterConfig, parts: ControllerParts, pool: GenerationPool, stop_ids: tuple[int, ...]
+) -> AgentRollouts:
+    """The agent episodes' runner (and its endpoint) for an agent run."""
+    if parts.agent is None:
+        raise ValueError("env.name: agent needs the agent (ControllerParts.agent)")
+    return make_agent_rollouts(
+        cfg,
+        agent=parts.agent,
+        tokenizer=parts.tokenizer,
+        codec=parts.codec,
+        pool=pool,
+        stop_token_ids=stop_ids,
     )
 
 

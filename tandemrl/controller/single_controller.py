@@ -44,7 +44,7 @@ from tandemrl.checkpoint.restore import RestorePlan, resume
 from tandemrl.checkpoint.writer import CheckpointWriter
 from tandemrl.config.models import StallWatchdogConfig
 from tandemrl.controller.eviction_warning import EvictionWatch
-from tandemrl.controller.step_metrics import StepAccumulator, TrainedGroup
+from tandemrl.controller.step_metrics import StepAccumulator, TrainedGroup, episode_rewards
 from tandemrl.controller.step_runner import StepRunner
 from tandemrl.controller.watchdog import stall_watchdog
 from tandemrl.controller.weight_sync import WeightSynchronizer
@@ -88,6 +88,15 @@ class ControllerSettings:
 StepHook = Callable[["SingleController", dict[str, float]], Awaitable[None]]
 
 
+class RunService(Protocol):
+    """Something that runs beside the pumps for the whole run (the agents' policy endpoint):
+    started before the pumps, stopped after them."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
 class StepSink(Protocol):
     """Where each step's metrics row (and now and then a few samples) is written, in the
     controller's process, before the step's checkpoint (``tandemrl.metrics.MetricsLogger``)."""
@@ -117,8 +126,10 @@ class SingleController:
         commit_log: CommitLog | None = None,
         watchdog_cfg: StallWatchdogConfig | None = None,
         metrics_sink: StepSink | None = None,
+        services: list[RunService] | None = None,
     ) -> None:
         self.settings = settings
+        self.services = list(services or [])
         self.metrics_sink = metrics_sink
         self.run_state = run_state
         # The parts of the run state the pumps touch per group, bound once (the same objects:
@@ -224,6 +235,17 @@ class SingleController:
         self._fatal = asyncio.get_running_loop().create_future()
         if self.commit_log is not None and not self.commit_log.opened:
             self.commit_log.open(parent=None)  # not resumed through checkpoint.restore.resume
+        started: list[RunService] = []
+        try:
+            for service in self.services:
+                await service.start()
+                started.append(service)
+            return await self._run_pumps()
+        finally:
+            for service in reversed(started):
+                await service.stop()
+
+    async def _run_pumps(self) -> list[dict[str, float]]:
         rollout = asyncio.create_task(self._rollout_pump(), name="rollout_pump")
         train = asyncio.create_task(self._train_pump(), name="train_pump")
         background = [rollout]
@@ -603,7 +625,10 @@ class SingleController:
                 slot.end_weight,
                 slot.target_step,
                 version - slot.start_weight,  # staleness
-                [meta.reward for meta in metas],  # rewards
+                # rewards: one per sibling (an agent episode split into rows counts once)
+                [meta.reward for meta in metas]
+                if len(metas) == self.settings.group_size
+                else episode_rewards(metas),
                 sum([meta.num_completion_tokens for meta in metas]),  # completion_tokens
                 [meta.env_metrics for meta in metas],  # env_metrics
             )

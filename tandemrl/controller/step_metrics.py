@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from tandemrl.records import RowMeta
+
 
 @dataclass
 class TrainedGroup:
@@ -73,9 +75,27 @@ class StepAccumulator:
         return row
 
 
+def episode_rewards(metas: list[RowMeta]) -> list[float]:
+    """One reward per sibling of a group whose agent episodes may span several rows."""
+    seen: set[int] = set()
+    rewards = []
+    for meta in metas:
+        if meta.sibling_index not in seen:
+            seen.add(meta.sibling_index)
+            rewards.append(meta.reward)
+    return rewards
+
+
+# Metadata keys written under their own name (the agent runner's per-episode counters, e.g.
+# agent/prefix_split_frac), not as env/<key>.
+OWN_NAME_PREFIX = "agent/"
+
+
 def env_metric_means(groups: list[TrainedGroup]) -> dict[str, float]:
     """``env/<key>``: the mean over the step's rows of each numeric metadata value the
-    environment reported (rows that did not report a key do not count toward its mean)."""
+    environment reported (rows that did not report a key do not count toward its mean).
+    Keys starting with ``agent/`` keep their name: the agent runner reports them once per
+    episode, so their mean is over the step's episodes."""
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
     for group in groups:
@@ -85,4 +105,7 @@ def env_metric_means(groups: list[TrainedGroup]) -> dict[str, float]:
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + value
                 counts[key] = counts.get(key, 0) + 1
-    return {f"env/{key}": sums[key] / counts[key] for key in sorted(sums)}
+    return {
+        (key if key.startswith(OWN_NAME_PREFIX) else f"env/{key}"): sums[key] / counts[key]
+        for key in sorted(sums)
+    }

@@ -46,14 +46,29 @@ class StepRunner(Protocol):
 def collate_step_rows(slots: list[Slot], rows: StepRows, *, pad_token_id: int) -> TrainBatch:
     """Collate the groups' rows in slot order and stamp each row's version fields."""
     batch = collate_rows([rows[sid] for slot in slots for sid in slot.sample_ids], pad_token_id)
-    group_size = len(slots[0].sample_ids)
+    rows_per_slot = torch.tensor([len(slot.rows_meta) for slot in slots])
     batch["start_weight"] = torch.tensor([slot.start_weight for slot in slots]).repeat_interleave(
-        group_size
+        rows_per_slot
     )
     batch["target_step"] = torch.tensor(
         [-1 if slot.target_step is None else slot.target_step for slot in slots]
-    ).repeat_interleave(group_size)
+    ).repeat_interleave(rows_per_slot)
     return batch
+
+
+def sibling_rows(slots: list[Slot], group_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """For groups with more rows than siblings (agent episodes split into several rows): the
+    [K, G] rewards, one per sibling (its rows share the episode's reward), and each row's flat
+    index ``k * G + sibling`` into them. None when every group has one row per sibling."""
+    if all(len(slot.rows_meta) == group_size for slot in slots):
+        return None
+    rewards = torch.zeros(len(slots), group_size)
+    row_index: list[int] = []
+    for k, slot in enumerate(slots):
+        for meta in slot.rows_meta:
+            rewards[k, meta.sibling_index] = meta.reward
+            row_index.append(k * group_size + meta.sibling_index)
+    return rewards, torch.tensor(row_index)
 
 
 class GRPOStepRunner:
@@ -79,11 +94,17 @@ class GRPOStepRunner:
 
     def advantage_stage(self, slots: list[Slot], rows: StepRows) -> TrainBatch:
         batch = collate_step_rows(slots, rows, pad_token_id=self.pad_token_id)
+        # One advantage per sibling (episode), from the group's G rewards; a sibling's rows
+        # all get its advantage.
+        split = sibling_rows(slots, self.group_size)
+        per_sibling = batch["reward"] if split is None else split[0].reshape(-1)
         advantages = grpo_advantages_grouped(
-            batch["reward"].reshape(len(slots), self.group_size),
+            per_sibling.reshape(len(slots), self.group_size),
             leave_one_out=self.leave_one_out_baseline,
             normalize=self.normalize_rewards,
         ).reshape(-1)
+        if split is not None:
+            advantages = advantages.index_select(0, split[1])
         batch["advantages"] = broadcast_sequence_values(advantages, batch["token_mask"])
         return batch
 

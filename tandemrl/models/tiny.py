@@ -46,7 +46,15 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from tandemrl.models.chat_formats import CHATML, GEMMA, LLAMA3, MISTRAL, PHI3, ChatFormat
+from tandemrl.models.chat_formats import (
+    CHATML,
+    COUNTING_CHAT,
+    GEMMA,
+    LLAMA3,
+    MISTRAL,
+    PHI3,
+    ChatFormat,
+)
 from tandemrl.models.tokenizer import (
     CHAR_ALPHABET,
     CHAT_ALPHABET,
@@ -147,6 +155,21 @@ TINY_PRESETS: dict[str, TinyPreset] = {
             "tie_word_embeddings": True,
             "max_position_embeddings": 128,
         },
+    ),
+    # The default model's shape with a compact chat format (chat_formats.COUNTING_CHAT): the
+    # agent exemplar's two-turn counting game (examples/configs/grpo_tiny_cpu_agent.yaml).
+    "qwen2-counting-chat": TinyPreset(
+        architecture="qwen2",
+        config_kwargs={
+            "hidden_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "intermediate_size": 512,
+            "tie_word_embeddings": True,
+            "max_position_embeddings": 128,
+        },
+        chat=COUNTING_CHAT,
     ),
     # A second architecture (untied embeddings, no attention bias), about 3.2 M parameters.
     "llama-small": TinyPreset(

@@ -37,14 +37,14 @@ import zlib
 from collections import deque
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import NoReturn
+from typing import NoReturn, Protocol
 
 from tandemrl.barrier import CheckpointBarrier
 from tandemrl.buffer import ReplayBuffer, Slot
 from tandemrl.codec import TextCodec
 from tandemrl.config.models import RolloutFailureConfig
 from tandemrl.dataplane.base import DataPlane, RowBlock
-from tandemrl.dataplane.rows import make_group_block
+from tandemrl.dataplane.rows import make_group_block, make_sequence_block
 from tandemrl.envs.base import Environment
 from tandemrl.records import EnvResult, GenerationRequest, GenerationResult, PromptItem, RowMeta
 from tandemrl.rollout.events import OwnershipEvents
@@ -63,6 +63,7 @@ from tandemrl.rollout.generation_pool import (
     within_awake_time,
 )
 from tandemrl.rollout.ledger import OwnershipLedger, StagedSibling, UnfinishedGroup
+from tandemrl.rollout.token_capture import OnPrefixMismatch, merge_turns
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,19 @@ class SamplingParams:
 
 class GroupAborted(Exception):
     """The group's in-flight generation was aborted as stale (windowed sampler)."""
+
+
+class EpisodeRunner(Protocol):
+    """Plays agent episodes (``tandemrl.agents.runner.AgentRollouts``, built by the controller)."""
+
+    on_prefix_mismatch: OnPrefixMismatch
+
+    async def run_siblings(
+        self, group: UnfinishedGroup, siblings: list[int], attempt: int
+    ) -> list[StagedSibling | BaseException]:
+        """One episode per sibling: its staged sibling, or the exception that failed it
+        (``DataFailure``, an infrastructure error, ``GroupAborted``)."""
+        ...
 
 
 @lru_cache(maxsize=8)
@@ -133,7 +147,7 @@ class RolloutManager:
         buffer: ReplayBuffer,
         data_plane: DataPlane,
         generation: GenerationPool,
-        env: Environment,
+        env: Environment | None,
         codec: TextCodec,
         sampling: SamplingParams,
         group_size: int,
@@ -144,6 +158,7 @@ class RolloutManager:
         overlong_filtering: bool = False,
         seed: int = 0,
         events: OwnershipEvents | None = None,
+        agents: EpisodeRunner | None = None,
     ) -> None:
         self.buffer = buffer
         self.data_plane = data_plane
@@ -169,6 +184,8 @@ class RolloutManager:
         self.reused_siblings = 0  # staged completions reused after a failure or restart
         # Requests of each group's generation call in flight (to abort them on the engine).
         self.active_requests: dict[str, list[GenerationRequest]] = {}
+        # Agent runs (env.name: agent): the siblings are episodes played by this runner.
+        self.agents = agents
 
     # ------------------------------------------------------------------ dispatch
 
@@ -203,7 +220,10 @@ class RolloutManager:
         """Drive ``group`` to a committed slot; raise RolloutDropped when it is dropped."""
         reused = set(group.staged)
         try:
-            await self._generate_all_siblings(group)
+            if self.agents is None:
+                await self._generate_all_siblings(group)
+            else:
+                await self._run_all_episodes(group, self.agents)
             await self._push_and_commit(group, reused)
         except RolloutDropped as dropped:
             dropped.slot = await self._drop(group)
@@ -339,6 +359,49 @@ class RolloutManager:
             if failed_any and group.granularity == "prompt_group":
                 group.discard_staged()
 
+    async def _run_all_episodes(self, group: UnfinishedGroup, agents: EpisodeRunner) -> None:
+        """``_generate_all_siblings`` for agent runs: one episode per unfinished sibling, all at
+        once; staged, retried and dropped by the same rules (data failures per sibling,
+        infrastructure failures per round with backoff)."""
+        infra_retries = 0
+        data_retries: dict[int, int] = {}
+        attempt = 0
+        self.reused_siblings += len(group.staged)
+        while len(group.staged) < self.group_size:
+            pending = [i for i in range(self.group_size) if i not in group.staged]
+            attempt += 1
+            outcomes = await agents.run_siblings(group, pending, attempt)
+            self.generated_siblings += len(pending)
+            infra: BaseException | None = None
+            failed_any = False
+            finished = []
+            for sibling, outcome in zip(pending, outcomes, strict=True):
+                if isinstance(outcome, StagedSibling):
+                    group.staged[sibling] = outcome
+                    finished.append(sibling)
+                    continue
+                if isinstance(outcome, NoGenerationWorkers | GroupAborted):
+                    raise outcome
+                if classify(outcome) is FailureKind.INFRA:
+                    infra = infra or outcome
+                    continue
+                retries = data_retries.get(sibling, 0)
+                record = self._record(group, sibling, retries + 1, FailureKind.DATA, outcome)
+                if retries >= self.failure_cfg.max_data_retries:
+                    raise RolloutDropped(group.group_id, record) from outcome
+                data_retries[sibling] = retries + 1
+                failed_any = True
+            if finished and self.events is not None:
+                self.events.staged(group, finished)
+            if infra is not None:
+                record = self._record(group, None, infra_retries + 1, FailureKind.INFRA, infra)
+                if infra_retries >= self.failure_cfg.max_infra_retries:
+                    raise RolloutDropped(group.group_id, record) from infra
+                await asyncio.sleep(backoff_delay(infra_retries, self.failure_cfg))
+                infra_retries += 1
+            if (failed_any or infra is not None) and group.granularity == "prompt_group":
+                group.discard_staged()
+
     async def _generate_within_rollout_deadline(
         self, group: UnfinishedGroup, requests: list[GenerationRequest], *, attempt_started: float
     ) -> list[GenerationResult]:
@@ -388,6 +451,7 @@ class RolloutManager:
         self, group: UnfinishedGroup, results: list[GenerationResult], texts: list[str]
     ) -> list[EnvResult | DataFailure]:
         truncated = [result.finish_reason == "length" for result in results]
+        assert self.env is not None  # an agent run (no env) plays episodes instead
         try:
             scored = await self.env.score_group_async(group.item, texts, truncated=truncated)
             if len(scored) != len(texts):
@@ -445,6 +509,8 @@ class RolloutManager:
 
     def _rows(self, group: UnfinishedGroup) -> tuple[RowBlock, list[RowMeta]]:
         """The group's rows as one block, and their metadata for the replay buffer."""
+        if self.agents is not None:
+            return self._episode_rows(group, self.agents.on_prefix_mismatch)
         group_id = group.group_id
         staged = group.staged
         filter_overlong = self.overlong_filtering
@@ -453,6 +519,7 @@ class RolloutManager:
         for sibling, suffix in enumerate(_sample_id_suffixes(self.group_size)):
             entry = staged[sibling]
             result, env_result = entry.result, entry.env_result
+            assert result is not None  # only an agent episode has none (_episode_rows)
             truncated = result.finish_reason == "length"
             keep = 1.0 if env_result.keep and not (filter_overlong and truncated) else 0.0
             reward = float(env_result.reward)
@@ -477,9 +544,78 @@ class RolloutManager:
                     numeric_metadata(env_result.metadata) if env_result.metadata else None,
                 )
             )
+        first = staged[0].result
+        assert first is not None
         block = make_group_block(
-            sample_ids, staged[0].result.prompt_token_ids, completions, logprobs, rewards, keeps
+            sample_ids, first.prompt_token_ids, completions, logprobs, rewards, keeps
         )
+        return block, metas
+
+    def _episode_rows(
+        self, group: UnfinishedGroup, on_prefix_mismatch: OnPrefixMismatch
+    ) -> tuple[RowBlock, list[RowMeta]]:
+        """An agent group's rows: each episode's turns merged by prefix into one row, or one
+        row per run of turns that extend each other (``on_prefix_mismatch: split``). Every row
+        of an episode carries its reward; the first also its counters (``agent/...``)."""
+        group_id = group.group_id
+        filter_overlong = self.overlong_filtering
+        sample_ids, rewards, keeps, metas = [], [], [], []
+        input_ids, token_masks, logprobs = [], [], []
+        for sibling in range(self.group_size):
+            entry = group.staged[sibling]
+            episode, env_result = entry.episode, entry.env_result
+            if episode is None:
+                raise ValueError(f"group {group_id} sibling {sibling} holds no agent episode")
+            sequences = merge_turns(episode.turns, on_prefix_mismatch=on_prefix_mismatch)
+            truncated = episode.truncated
+            keep = 1.0 if env_result.keep and not (filter_overlong and truncated) else 0.0
+            reward = float(env_result.reward)
+            counters = numeric_metadata(env_result.metadata) or {}
+            counters.update(
+                {
+                    "agent/turns_mean": float(len(episode.turns)),
+                    "agent/prefix_split_frac": float(len(sequences) > 1),
+                    "agent/truncated_frac": float(truncated),
+                }
+            )
+            for index, sequence in enumerate(sequences):
+                suffix = "" if len(sequences) == 1 else f"/r{index}"
+                sample_id = f"{group_id}/{sibling}{suffix}"
+                sample_ids.append(sample_id)
+                rewards.append(reward)
+                keeps.append(keep)
+                input_ids.append(sequence.input_ids)
+                token_masks.append(sequence.token_mask)
+                logprobs.append(sequence.logprobs)
+                first_turn = episode.turns[sequence.turns[0]]
+                metas.append(
+                    RowMeta(
+                        sample_id,
+                        group_id,
+                        sibling,
+                        reward,
+                        keep,
+                        len(first_turn.prompt_token_ids),
+                        sequence.num_sampled_tokens,
+                        truncated,
+                        sequence.start_weight_version,
+                        sequence.end_weight_version,
+                        counters if index == 0 else None,
+                    )
+                )
+            if sibling == 0:
+                first = sequences[0]
+                prompt_length = len(episode.turns[0].prompt_token_ids)
+                self.recent_samples.append(
+                    {
+                        "prompt_id": group.item.prompt_id,
+                        "prompt": group.item.prompt,
+                        "completion": self.codec.decode(first.input_ids[prompt_length:]),
+                        "reward": reward,
+                        "finish_reason": episode.turns[-1].finish_reason,
+                    }
+                )
+        block = make_sequence_block(sample_ids, input_ids, token_masks, logprobs, rewards, keeps)
         return block, metas
 
     async def _push_and_commit(self, group: UnfinishedGroup, reused: set[int]) -> None:
