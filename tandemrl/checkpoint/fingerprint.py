@@ -57,6 +57,13 @@ BUILTIN_EXCLUDED_PATHS: tuple[str, ...] = (
     "policy.generation.http_server.served_model_name",
     "policy.generation.http_server.max_request_bytes",
     "env.agent.client",
+    # Where the NeMo-Gym venv and servers are and how long to wait for them to come up, not
+    # which servers play an episode (env.nemo_gym.config_paths, overrides, routes do).
+    "env.nemo_gym.venv",
+    "env.nemo_gym.head_server",
+    "env.nemo_gym.working_dir",
+    "env.nemo_gym.startup_timeout_s",
+    "env.nemo_gym.max_server_restarts",
 )
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
+from tandemrl.agents import is_agent_run
 from tandemrl.agents.runner import AgentRollouts
 from tandemrl.agents.setup import make_agent_rollouts
 from tandemrl.barrier import CheckpointBarrier
@@ -140,7 +141,7 @@ def build_controller(
     check_buffer_capacity(sampler, cfg)
     data_plane = parts.data_plane or create_data_plane(cfg.data_plane)
     dataloader = parts.dataloader or PromptDataLoader.from_config(
-        cfg.data, max_num_epochs=algo.max_num_epochs
+        cfg.data, max_num_epochs=algo.max_num_epochs, gym_rows=cfg.env.name == "nemo_gym"
     )
     pool = GenerationPool(
         parts.engines,
@@ -157,6 +158,7 @@ def build_controller(
         ledger=OwnershipLedger(
             cfg.rollout_recovery,
             token_capture=cfg.token_capture.enabled,
+            # NeMo-Gym rows carry their own agent_ref (or none: then the task source decides).
             default_agent_ref=cfg.env.target if cfg.env.name == "agent" else None,
         ),
         budgets=FailureBudgets(failure),
@@ -207,7 +209,7 @@ def build_controller(
         dict.fromkeys((*generation_cfg.stop_token_ids, *eos, *parts.codec.stop_token_ids))
     )
     agents = None
-    if cfg.env.name == "agent":
+    if is_agent_run(cfg.env):
         agents = _agent_rollouts(cfg, parts, pool, stop_ids)
     elif parts.env is None:
         raise ValueError(f"env.name={cfg.env.name!r} needs an environment (ControllerParts.env)")

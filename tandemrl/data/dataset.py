@@ -173,9 +173,20 @@ def _load_bundled(name: str, file_name: str) -> list[PromptRecord]:
     return parse_jsonl_text(text, DataConfig(), f"{BUILTIN_PREFIX}{name} ({file_name})")
 
 
-def load_prompt_records(cfg: DataConfig) -> list[PromptRecord]:
-    """The dataset ``data.dataset`` names, in its stored (unshuffled) order."""
+def load_prompt_records(cfg: DataConfig, *, gym_rows: bool = False) -> list[PromptRecord]:
+    """The dataset ``data.dataset`` names, in its stored (unshuffled) order; ``gym_rows``
+    (``env.name: nemo_gym``): a JSONL file of NeMo-Gym rows (``tandemrl.data.gym_rows``)."""
     source = cfg.dataset or DEFAULT_DATASET
+    if gym_rows:
+        from tandemrl.data.gym_rows import parse_gym_jsonl
+
+        path = Path(source)
+        if source.startswith(BUILTIN_PREFIX) or not path.is_file():
+            raise DatasetError(
+                f"data.dataset={source!r}: env.name: nemo_gym reads a JSONL file of NeMo-Gym "
+                "rows (responses_create_params, agent_ref, ...); no such file"
+            )
+        return parse_gym_jsonl(path.read_text(encoding="utf-8"), str(path))
     if source.startswith(BUILTIN_PREFIX):
         name = source.removeprefix(BUILTIN_PREFIX)
         if name == "counting":

@@ -126,18 +126,34 @@ def read_head_server(head_url: str, timeout_s: float = 10.0) -> tuple[GymTopolog
             name, str(instance["server_type"]), str(instance["host"]), int(instance["port"])
         )
     if not servers:
-        raise GymStartError(f"env.nemo_gym.head_server: the Gym head server at {head_url} lists no servers")
+        raise GymStartError(
+            f"env.nemo_gym.head_server: the Gym head server at {head_url} lists no servers"
+        )
     return GymTopology(servers, head_url), config
 
 
 def model_server_backend(config: dict[str, Any], model_server: str) -> list[str]:
-    """The backend URLs the Gym config gives ``model_server`` (``base_url``, a string or a list)."""
+    """The backend URLs the Gym config gives ``model_server`` (``base_url``, a string or a list;
+    the head server's config keeps ``${policy_base_url}`` references, resolved here)."""
+    from omegaconf import OmegaConf
+
     entry = config.get(model_server)
     if not isinstance(entry, dict) or MODEL_TYPE not in entry:
         return []
-    inner = next(iter(entry[MODEL_TYPE].values()), {})
-    base_url = inner.get("base_url") or inner.get("openai_base_url") or []
-    return [base_url] if isinstance(base_url, str) else list(base_url)
+    folder = next(iter(entry[MODEL_TYPE]), None)
+    if folder is None:
+        return []
+    tree = OmegaConf.create(config)
+    base_url: Any = None
+    for key in ("base_url", "openai_base_url"):
+        base_url = OmegaConf.select(tree, f"{model_server}.{MODEL_TYPE}.{folder}.{key}")
+        if base_url is not None:
+            break
+    if base_url is None:
+        return []
+    if not isinstance(base_url, str):
+        base_url = OmegaConf.to_container(base_url, resolve=True)
+    return [base_url] if isinstance(base_url, str) else [str(url) for url in base_url]
 
 
 # --------------------------------------------------------------------------- start

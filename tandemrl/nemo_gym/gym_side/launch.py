@@ -124,7 +124,10 @@ def start_ray(attempts: int = 3) -> None:
             ray.init(include_dashboard=False, num_cpus=1, log_to_driver=False)
             return
         except Exception as error:
-            print(f"[tandemrl gym launcher] Ray start {attempt}/{attempts} failed: {error}", flush=True)
+            print(
+                f"[tandemrl gym launcher] Ray start {attempt}/{attempts} failed: {error}",
+                flush=True,
+            )
             ray.shutdown()
             if attempt == attempts:
                 raise

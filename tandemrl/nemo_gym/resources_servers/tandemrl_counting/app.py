@@ -48,7 +48,10 @@ def _text(content: Any) -> str:
     """A Responses API message content (a string or a list of text parts) as one string."""
     if isinstance(content, str):
         return content
-    return "".join(part.get("text", "") if isinstance(part, dict) else getattr(part, "text", "") for part in content or [])
+    return "".join(
+        part.get("text", "") if isinstance(part, dict) else getattr(part, "text", "")
+        for part in content or []
+    )
 
 
 def last_user_prompt(body: BaseVerifyRequest) -> str:
