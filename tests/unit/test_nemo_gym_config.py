@@ -10,6 +10,7 @@ import asyncio
 import json
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -18,13 +19,14 @@ from tandemrl.agents import AgentInfraFailure
 from tandemrl.config import check_config, load_config
 from tandemrl.config.models import NemoGymConfig, RolloutRecoveryConfig
 from tandemrl.config.validate import ConfigError, validate_single_controller_config
+from tandemrl.controller.watchdog import service_health
 from tandemrl.data.dataloader import PromptDataLoader
 from tandemrl.data.dataset import DatasetError, load_prompt_records
 from tandemrl.data.gym_rows import GYM_ROW_KEY, parse_gym_jsonl
 from tandemrl.nemo_gym.agent import GymAgent
 from tandemrl.nemo_gym.rows import run_body
 from tandemrl.nemo_gym.servers import GymServer, GymTopology
-from tandemrl.preflight import runtime_problems
+from tandemrl.nemo_gym.venv import GymVenvMissing, check_gym_venv
 from tandemrl.rollout.failures import DataFailure
 from tandemrl.rollout.ledger import OwnershipLedger
 
@@ -63,14 +65,14 @@ def test_the_exemplar_is_valid_and_each_rule_names_its_dotpath():
 
 
 def test_without_a_gym_venv_the_run_refuses_to_start_and_says_how_to_install(monkeypatch):
+    # What `tandemrl validate` and `tandemrl train` report before anything starts
+    # (tandemrl.preflight runs this check for env.name: nemo_gym).
     monkeypatch.delenv("TANDEMRL_NEMO_GYM_VENV", raising=False)
-    found = runtime_problems(load_config(EXEMPLAR, ("env.nemo_gym.venv=null",)))
-    assert any(
-        "env.nemo_gym.venv is not set" in line and "scripts/install_nemo_gym.sh" in line
-        for line in found
-    ), found
-    found = runtime_problems(load_config(EXEMPLAR, ("env.nemo_gym.venv=/nonexistent",)))
-    assert any("'/nonexistent' holds no bin/python" in line for line in found), found
+    with pytest.raises(GymVenvMissing, match="env.nemo_gym.venv is not set") as raised:
+        check_gym_venv(load_config(EXEMPLAR, ("env.nemo_gym.venv=null",)).env.nemo_gym.venv)
+    assert "bash scripts/install_nemo_gym.sh" in str(raised.value)
+    with pytest.raises(GymVenvMissing, match="'/nonexistent' holds no bin/python"):
+        check_gym_venv("/nonexistent")
 
 
 def gym_rows(tmp_path: Path, rows: list[object]) -> Path:
@@ -285,5 +287,19 @@ def test_run_failures_are_sorted_into_data_and_infrastructure():
     assert "run_timeout_s=5.0" in message
     assert "Gym resources server tandemrl_counting (127.0.0.1:9)" in message
     no_agent = {k: v for k, v in ROW.items() if k != "agent_ref"}
-    with pytest.raises(DataFailure, match="env.nemo_gym.default_agent is not set"):
+    with pytest.raises(DataFailure, match=r"env\.nemo_gym\.default_agent is not set"):
         outcome(lambda request: httpx.Response(200, json={"reward": 1.0}), row=no_agent)
+
+
+def test_the_stall_report_names_the_gym_servers_that_stopped_answering():
+    agent = agent_with(lambda request: httpx.Response(200, json={"reward": 1.0}))
+
+    class Rollouts:  # what the agent runner forwards to its agent
+        async def health(self) -> str | None:
+            return await agent.health()
+
+    notes = asyncio.run(service_health(SimpleNamespace(services=[Rollouts()])))
+    assert notes == [
+        f"not answering: Gym agent server {AGENT} (127.0.0.1:9), "
+        "Gym resources server tandemrl_counting (127.0.0.1:9)"
+    ]
