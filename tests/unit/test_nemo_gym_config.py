@@ -68,10 +68,10 @@ def test_without_a_gym_venv_the_run_refuses_to_start_and_says_how_to_install(mon
     # What `tandemrl validate` and `tandemrl train` report before anything starts
     # (tandemrl.preflight runs this check for env.name: nemo_gym).
     monkeypatch.delenv("TANDEMRL_NEMO_GYM_VENV", raising=False)
-    with pytest.raises(GymVenvMissing, match="env.nemo_gym.venv is not set") as raised:
+    with pytest.raises(GymVenvMissing, match=r"env\.nemo_gym\.venv is not set") as raised:
         check_gym_venv(load_config(EXEMPLAR, ("env.nemo_gym.venv=null",)).env.nemo_gym.venv)
     assert "bash scripts/install_nemo_gym.sh" in str(raised.value)
-    with pytest.raises(GymVenvMissing, match="'/nonexistent' holds no bin/python"):
+    with pytest.raises(GymVenvMissing, match=r"'/nonexistent' holds no bin/python"):
         check_gym_venv("/nonexistent")
 
 
