@@ -67,6 +67,9 @@ class RunShape:
     prompts_per_step: int = 8
     generations_per_prompt: int = 8
     commit_log: bool = True
+    # The run's config and overrides of its own (tests/nemo_gym: the NeMo-Gym exemplar).
+    config: Path = CONFIG
+    extra_overrides: tuple[str, ...] = ()
 
     @property
     def total_steps(self) -> int:
@@ -96,6 +99,7 @@ class RunShape:
             "logger.progress=false",
             "logger.tensorboard=false",
             "logger.plot=false",
+            *self.extra_overrides,
         ]
 
 
@@ -182,7 +186,9 @@ def _sigkill_group(pgid: int) -> bool:
 
 
 class Attempt:
-    def __init__(self, index: int, workdir: Path, overrides: list[str], marker: str) -> None:
+    def __init__(
+        self, index: int, workdir: Path, overrides: list[str], marker: str, config: Path = CONFIG
+    ) -> None:
         self.index = index
         self.log_path = workdir / f"attempt_{index:02d}.log"
         env = {
@@ -201,7 +207,7 @@ class Attempt:
                     "tandemrl.cli",
                     "train",
                     "--config",
-                    str(CONFIG),
+                    str(config),
                     *overrides,
                 ],
                 cwd=REPO,
@@ -415,7 +421,7 @@ def run_with_kills(
             starts_before = sum(
                 event["event"] == "start" for event in _journal_events(checkpoint_dir / JOURNAL)
             )
-            attempt = Attempt(report.attempts, workdir, overrides, marker)
+            attempt = Attempt(report.attempts, workdir, overrides, marker, shape.config)
             report.attempts += 1
             observer = Observer(checkpoint_dir, starts_before, shape)
             if not pending:
