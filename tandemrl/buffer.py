@@ -430,9 +430,10 @@ def _check_rows(group_id: str, rows_meta: list[RowMeta], group_size: int, what: 
         and {row.sibling_index for row in rows_meta} != set(range(group_size))
     ):
         raise ReplayBufferError(
-            f"{what}: group {group_id!r} has {len(rows_meta)} rows of siblings "
-            f"{sorted({row.sibling_index for row in rows_meta})}, expected one or more rows "
-            f"for each of the {group_size} siblings (num_generations_per_prompt)"
+            f"{what}: group {group_id!r} has {len(rows_meta)} rows, expected {group_size} "
+            "(num_generations_per_prompt; more only when agent episodes split into several "
+            f"rows, with each of the {group_size} siblings holding one or more; it has "
+            f"siblings {sorted({row.sibling_index for row in rows_meta})})"
         )
     sample_ids = [row.sample_id for row in rows_meta]
     if len(set(sample_ids)) != len(sample_ids):

@@ -54,13 +54,25 @@ def shared_openai_client(base_url: str) -> Any:
     call is the episode's to handle, and the runner classifies it."""
     import openai
 
+    # The HTTP layer logs every request at INFO ("HTTP Request: POST ... 200 OK"): thousands
+    # of lines a step in a run whose logger.level is INFO, each one CPU on the controller.
+    for name in ("httpx", "httpx2"):
+        logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger(name).level))
     http_client = None
     try:
         http_client = openai.DefaultAioHttpClient()
     except RuntimeError:  # aiohttp is missing: the default httpx transport
         http_client = None
+    # No read deadline here: a call's deadline is env.agent.call_timeout_s at the server and
+    # the episode's is env.agent.episode_timeout_s (awake time, frozen while the engine stands
+    # down, which a client clock is not). Connecting may take a while when hundreds of
+    # episodes open their connections at once on a busy machine.
     return openai.AsyncOpenAI(
-        base_url=base_url, api_key="-", max_retries=0, http_client=http_client
+        base_url=base_url,
+        api_key="-",
+        max_retries=0,
+        timeout=openai.Timeout(None, connect=60.0),
+        http_client=http_client,
     )
 
 

@@ -206,7 +206,9 @@ class PolicyService:
         messages = check_messages(body.get("messages"))
         extra = body.get("chat_template_kwargs") or {}
         if not isinstance(extra, dict):
-            raise RequestError(400, "chat_template_kwargs must be an object", param="chat_template_kwargs")
+            raise RequestError(
+                400, "chat_template_kwargs must be an object", param="chat_template_kwargs"
+            )
         try:
             prompt_ids = self.render_chat(messages, body.get("tools"), extra)
         except RequestError:
@@ -322,7 +324,10 @@ class PolicyService:
                 continue
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise RequestError(400, f"{name} must be a number, got {value!r}", param=name)
-            if abs(value - run_value) > SAMPLING_TOLERANCE and not settings.allow_sampling_overrides:
+            if (
+                abs(value - run_value) > SAMPLING_TOLERANCE
+                and not settings.allow_sampling_overrides
+            ):
                 raise RequestError(
                     400,
                     f"{name}={value} differs from the run's policy.generation.{name}="
@@ -475,7 +480,9 @@ class PolicyService:
             raise RequestError(
                 status,
                 f"generation failed ({type(exc).__name__}: {exc})"
-                + ("; no generation worker is left" if isinstance(exc, NoGenerationWorkers) else ""),
+                + (
+                    "; no generation worker is left" if isinstance(exc, NoGenerationWorkers) else ""
+                ),
             ) from exc
         return results[0]
 

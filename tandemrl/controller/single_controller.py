@@ -243,12 +243,12 @@ class SingleController:
             for service in self.services:
                 await service.start()
                 started.append(service)
-            return await self._run_pumps()
+            return await self._run_pumps(self._fatal)
         finally:
             for service in reversed(started):
                 await service.stop()
 
-    async def _run_pumps(self) -> list[dict[str, float]]:
+    async def _run_pumps(self, fatal: asyncio.Future[None]) -> list[dict[str, float]]:
         rollout = asyncio.create_task(self._rollout_pump(), name="rollout_pump")
         train = asyncio.create_task(self._train_pump(), name="train_pump")
         background = [rollout]
@@ -274,7 +274,7 @@ class SingleController:
         thresholds = gc.get_threshold()
         gc.set_threshold(GC_YOUNG_THRESHOLD, *thresholds[1:])
         try:
-            pending: set[asyncio.Future[Any]] = {*background, train, self._fatal}
+            pending: set[asyncio.Future[Any]] = {*background, train, fatal}
             while train in pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:

@@ -193,7 +193,11 @@ def make_sequence_block(
     must be 0). Per-token fields are [N, longest row] (right padded with 0)."""
     count = len(sample_ids)
     if not (
-        len(input_ids) == len(token_masks) == len(logprobs) == len(rewards) == len(sample_masks)
+        len(input_ids)
+        == len(token_masks)
+        == len(logprobs)
+        == len(rewards)
+        == len(sample_masks)
         == count
     ):
         raise RowError(

@@ -73,12 +73,16 @@ def staged_entry(sibling: StagedSibling) -> dict[str, Any]:
     # result, so sharing its lists until they are serialized is safe.
     result, env_result, episode = sibling.result, sibling.env_result, sibling.episode
     entry: dict[str, Any] = {
-        "result": None if result is None else {name: getattr(result, name) for name in _RESULT_FIELDS},
+        "result": None
+        if result is None
+        else {name: getattr(result, name) for name in _RESULT_FIELDS},
         "env_result": {name: getattr(env_result, name) for name in _ENV_RESULT_FIELDS},
     }
     if episode is not None:
         entry["episode"] = {
-            "turns": [{name: getattr(turn, name) for name in _TURN_FIELDS} for turn in episode.turns],
+            "turns": [
+                {name: getattr(turn, name) for name in _TURN_FIELDS} for turn in episode.turns
+            ],
             "ended_by": episode.ended_by,
         }
     return entry
@@ -138,9 +142,7 @@ class OwnershipLedger:
         if group_id in self._groups:
             raise KeyError(f"prompt group {group_id} is already in the ownership ledger")
         # Positional, in field order: this runs once per dispatched prompt group.
-        granularity = resolve_granularity(
-            item, self.cfg, default_agent_ref=self.default_agent_ref
-        )
+        granularity = resolve_granularity(item, self.cfg, default_agent_ref=self.default_agent_ref)
         group = UnfinishedGroup(item, group_id, target_step, start_weight, granularity)
         self._groups[group_id] = group
         return group

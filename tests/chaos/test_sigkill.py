@@ -14,7 +14,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from chaos_harness import RunShape, audit, dump, leftover_temporaries, run_with_kills
+from chaos_harness import REPO, RunShape, audit, dump, leftover_temporaries, run_with_kills
+
+CHAOS_CONFIGS = REPO / "examples" / "configs"
 
 pytestmark = pytest.mark.chaos
 
@@ -61,3 +63,33 @@ def test_sigkill_and_restart_trains_every_prompt_exactly_once(tmp_path):
     lines = (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()
     logged = [json.loads(line)["step"] for line in lines]
     assert logged == list(range(1, shape.total_steps + 1)), logged
+
+
+def test_sigkill_of_a_multi_turn_agent_run_loses_and_replays_no_episode(tmp_path):
+    """The agent exemplar (two-turn episodes over the HTTP endpoint), killed mid-generation
+    and while a snapshot is written: finished episodes come back from disk with their turns,
+    unfinished ones are played again from their first turn."""
+    shape = RunShape(
+        num_prompts=24,
+        epochs=1,
+        prompts_per_step=4,
+        generations_per_prompt=4,
+        config=CHAOS_CONFIGS / "grpo_tiny_cpu_agent.yaml",
+        extra=("checkpointing.enabled=true", "checkpointing.save_data_plane=true"),
+    )
+    points = ["mid_generation", "snapshot_write"]
+    report = run_with_kills(tmp_path, points, shape=shape, seed=1)
+    dump(report, tmp_path / "chaos_report.json")
+    print("RESULT", report.result())
+    assert report.final_returncode == 0
+    assert [kill.point for kill in report.kills] == points, report.kills
+    proof = audit(tmp_path / "ckpt", shape)
+    assert proof["groups_lost"] == 0 and proof["groups_duplicated"] == 0, proof
+    assert proof["steps"] == shape.total_steps and proof["step_numbering_continuous"], proof
+    assert proof["regenerated_after_restore"] == [], proof
+    assert proof["groups_regenerated"] == 0 and proof["siblings_regenerated"] == 0, proof
+    assert proof["finished_siblings_generated_again"] == 0, proof
+    # Episodes staged or committed before a kill were restored, not played again.
+    assert (
+        proof["restored_committed"] + proof["restored_staged"] + proof["log_replayed_committed"] > 0
+    ), proof

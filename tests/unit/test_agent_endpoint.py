@@ -68,7 +68,9 @@ def test_chat_turns_over_http_carry_and_capture_the_exact_sampled_tokens():
         assert extra["generation_log_probs"] == pytest.approx(result.logprobs)
         assert reply.choices[0].finish_reason == "stop"
     # The prompt is the chat template's rendering, and the sampled stop token is kept.
-    assert tokenizer.decode(engine.results[0].prompt_token_ids) == "<|user|>583=<|end|><|assistant|>"
+    assert (
+        tokenizer.decode(engine.results[0].prompt_token_ids) == "<|user|>583=<|end|><|assistant|>"
+    )
     assert engine.results[0].token_ids[-1] == end_id(tokenizer)
     # OpenAI's logprobs block and vLLM's token-id fields agree with the triple.
     assert [entry.logprob for entry in first.choices[0].logprobs.content] == pytest.approx(
@@ -114,9 +116,7 @@ def test_bad_requests_get_their_documented_answers():
         await call("streaming", episode.key, **ok, stream=False, extra_body={"stream": True})
         await call("multi-token stop", episode.key, **ok, stop=["45"])
         await call("no messages", episode.key, messages=[])
-        await call(
-            "oversized", episode.key, messages=[{"role": "user", "content": "1" * 5000}]
-        )
+        await call("oversized", episode.key, messages=[{"role": "user", "content": "1" * 5000}])
         await call("overflow", episode.key, messages=[{"role": "user", "content": "1234567890="}])
         await call("after overflow", episode.key, **ok)  # the overflow ended the episode
         async with httpx.AsyncClient() as raw:

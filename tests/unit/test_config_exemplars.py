@@ -44,6 +44,7 @@ def test_the_expected_exemplars_exist():
         "ppo_tiny_cpu",
         "grpo_smollm2_math_gpu",
         "grpo_gpu_1x",
+        "grpo_tiny_cpu_agent",
     }
 
 
@@ -156,3 +157,20 @@ def test_the_one_gpu_exemplar_runs_the_measured_fastest_settings():
     assert cfg.async_rl.sampler.name == "ready_first"
     assert cfg.loss_fn.use_importance_sampling_correction
     assert (cfg.data.prompt_format, cfg.env.name) == ("chat", "math")
+
+
+def test_agent_exemplar_plays_the_counting_game_through_the_http_endpoint():
+    cfg = exemplar("grpo_tiny_cpu_agent")
+    from tandemrl.agents import agent_class
+    from tandemrl.agents.counting_game import CountingGameAgent
+    from tandemrl.agents.setup import uses_http
+
+    assert cfg.env.name == "agent" and agent_class(cfg.env) is CountingGameAgent
+    server = cfg.policy.generation.http_server
+    assert server.enabled and (server.host, server.port) == ("127.0.0.1", 0) and uses_http(cfg)
+    assert cfg.token_capture.enabled and cfg.token_capture.on_prefix_mismatch == "split"
+    tokenizer = load_tokenizer(resolve_model_path(cfg.policy.model_name))
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "583="}], add_generation_prompt=True, tokenize=False
+    )
+    assert len(tokenizer.encode(rendered, add_special_tokens=False)) == 7

@@ -765,3 +765,33 @@ def test_config_error_lists_every_message_in_its_text():
     assert "2 problems" in str(error)
     assert "a.b: first" in str(error) and "c.d: second" in str(error)
     assert isinstance(error, ValueError)
+
+
+# --------------------------------------------------------------------------- agents
+
+
+AGENT = ("env.name=agent", "env.target=tandemrl.agents.counting_game:CountingGameAgent")
+
+
+def test_agent_runs_and_the_endpoint_refuse_keys_that_would_do_nothing():
+    assert warnings(*AGENT, "data.dataset=builtin://counting") == []
+    find(
+        errors("policy.generation.http_server.enabled=true"),
+        "http_server.enabled",
+        "env.name: agent",
+    )
+    find(errors("env.agent.max_turns=3"), "env.agent", "env.name: agent")
+    find(errors("token_capture.on_prefix_mismatch=error"), "token_capture.on_prefix_mismatch")
+    find(errors("env.name=agent", "data.dataset=builtin://counting"), "env.target", "required")
+    messages = errors(
+        *AGENT,
+        "data.dataset=builtin://counting",
+        "env.agent.client=http",
+        "loss_fn.token_level_loss=false",
+        "data.prompt_format=chat",
+        "env.agent.max_tokens_per_turn=64",
+    )
+    find(messages, "env.agent.client: http", "http_server.enabled: true")
+    find(messages, "loss_fn.token_level_loss", "split")
+    find(messages, "data.prompt_format", "agent")
+    find(messages, "env.agent.max_tokens_per_turn", "max_total_sequence_length")
