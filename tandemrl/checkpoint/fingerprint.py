@@ -194,6 +194,13 @@ ROLLOUT_SEMANTIC_PATHS: tuple[str, ...] = (
     "env.agent.max_tokens_per_episode",
     "env.agent.call_timeout_s",
     "env.agent.episode_timeout_s",
+    # Which Gym servers play an episode and how long one may take.
+    "env.nemo_gym.config_paths",
+    "env.nemo_gym.overrides",
+    "env.nemo_gym.model_server",
+    "env.nemo_gym.default_agent",
+    "env.nemo_gym.agent_routes",
+    "env.nemo_gym.run_timeout_s",
 )
 
 

@@ -27,7 +27,7 @@ def test_sigkill_of_a_gym_run_loses_and_duplicates_no_group(gym: GymServers, tmp
         prompts_per_step=4,
         generations_per_prompt=4,
         config=EXEMPLAR,
-        extra_overrides=(
+        extra=(
             *overrides,
             f"data.dataset={dataset}",
             "data.shuffle=false",
