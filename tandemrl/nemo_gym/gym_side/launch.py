@@ -30,6 +30,7 @@ A restarted server keeps its port, so the URLs TandemRL read from the head serve
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -129,6 +130,11 @@ def start_ray(attempts: int = 3) -> None:
                 flush=True,
             )
             ray.shutdown()
+            # ray.shutdown leaves a node that never registered running (its GCS, monitors):
+            # nothing else is a child yet (no server started), so every child goes.
+            for child in psutil.Process().children(recursive=True):
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    child.kill()
             if attempt == attempts:
                 raise
 
