@@ -93,6 +93,10 @@ class GymAgent(Agent):
                 "env.name: nemo_gym needs the policy endpoint (policy.generation.http_server."
                 "enabled: true): Gym's model server calls the policy over HTTP"
             )
+        # One INFO line per /run from httpx would drown the run's log; its warnings stay.
+        httpx_log = logging.getLogger("httpx")
+        if httpx_log.level == logging.NOTSET:
+            httpx_log.setLevel(logging.WARNING)
         if self.cfg.head_server is not None:
             self.topology = await asyncio.to_thread(self._connect, policy_base_url)
         else:
