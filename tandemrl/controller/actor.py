@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,19 +39,24 @@ from tandemrl.controller.weight_sync import (
     WeightSynchronizer,
 )
 from tandemrl.data.prompt_format import PromptRenderer
+from tandemrl.data.vision_prompts import VisionPromptEncoder
 from tandemrl.envs import create_environment
 from tandemrl.metrics.logger import MetricsLogger
 from tandemrl.models import load_tokenizer, resolve_tokenizer_path, special_tokens
+from tandemrl.models.vision import load_processor
 from tandemrl.rollout.generation_pool import GenerationPool
 
 
 def run_text_codec(cfg: MasterConfig, model_path: str) -> TextCodec:
     """The run's codec: its tokenizer (``policy.tokenizer.name``, else the model folder's),
     prompts rendered in ``data.prompt_format``, and every stop id of the model folder and of
-    ``policy.generation`` (``tandemrl.models.special_tokens``)."""
+    ``policy.generation`` (``tandemrl.models.special_tokens``). With ``policy.is_vlm`` the
+    model folder's processor encodes each prompt with its images and its tokenizer decodes."""
+    data, generation = cfg.data, cfg.policy.generation
+    if cfg.policy.is_vlm:
+        return vision_codec(cfg, model_path)
     tokenizer_path = resolve_tokenizer_path(cfg.policy.tokenizer.name, model_path)
     tokenizer = load_tokenizer(tokenizer_path)
-    data, generation = cfg.data, cfg.policy.generation
     renderer = PromptRenderer(
         tokenizer,
         prompt_format=data.prompt_format,
@@ -67,6 +73,36 @@ def run_text_codec(cfg: MasterConfig, model_path: str) -> TextCodec:
             stop_strings=generation.stop_strings,
         ),
         pad_token_id=special_tokens.pad_token_id(tokenizer, model_path),
+    )
+
+
+def vision_codec(cfg: MasterConfig, model_path: str) -> TextCodec:
+    """``run_text_codec`` of a vision-language run (``tandemrl.data.vision_prompts``)."""
+    data, generation = cfg.data, cfg.policy.generation
+    processor = load_processor(model_path)
+    tokenizer = processor.tokenizer
+    dataset = data.dataset
+    # Relative image paths are read from the dataset file's folder.
+    base_dir = Path(dataset).expanduser().parent if dataset and "://" not in dataset else None
+    encoder = VisionPromptEncoder(
+        processor,
+        image_key=data.image_key,
+        max_image_pixels=data.max_image_pixels,
+        base_dir=base_dir,
+        prompt_format=data.prompt_format,
+        system_prompt=data.system_prompt,
+        messages_key=data.messages_key,
+    )
+    return text_codec(
+        tokenizer,
+        stop_token_ids=special_tokens.stop_token_ids(
+            tokenizer,
+            model_path,
+            extra_ids=generation.stop_token_ids,
+            stop_strings=generation.stop_strings,
+        ),
+        pad_token_id=special_tokens.pad_token_id(tokenizer, model_path),
+        encode_with_images=encoder.encode,
     )
 
 

@@ -134,7 +134,7 @@ def build_controller(
     check_buffer_capacity(sampler, cfg)
     data_plane = parts.data_plane or create_data_plane(cfg.data_plane)
     dataloader = parts.dataloader or PromptDataLoader.from_config(
-        cfg.data, max_num_epochs=algo.max_num_epochs
+        cfg.data, max_num_epochs=algo.max_num_epochs, images=cfg.policy.is_vlm
     )
     pool = GenerationPool(
         parts.engines,

@@ -67,9 +67,12 @@ class PromptDataLoader:
         self._order_cache: tuple[int, list[int]] | None = None
 
     @classmethod
-    def from_config(cls, cfg: DataConfig, *, max_num_epochs: int) -> PromptDataLoader:
+    def from_config(
+        cls, cfg: DataConfig, *, max_num_epochs: int, images: bool = False
+    ) -> PromptDataLoader:
+        """The loader of ``data:``; ``images`` (``policy.is_vlm``): rows must hold images."""
         return cls(
-            load_prompt_records(cfg),
+            load_prompt_records(cfg, images=images),
             max_num_epochs=max_num_epochs,
             seed=cfg.seed,
             shuffle=cfg.shuffle,

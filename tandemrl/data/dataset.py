@@ -16,6 +16,14 @@ Sources (``data.dataset``):
 - ``builtin://math-heldout``: 200 more problems of the same kinds, none of them in
   ``builtin://math`` (``math_heldout.jsonl``), for measuring accuracy on problems a run did
   not train on.
+- ``builtin://shape-colour`` and ``builtin://count-squares``: ``data.num_prompts`` images of
+  a coloured shape (the answer its colour's letter) or of 1-4 squares (the answer their
+  count), for a vision-language model (``shapes.py``).
+
+With ``images=True`` (``policy.is_vlm``) every row must hold ``data.image_key``; a row without
+it is an error naming the file and line. The field's value stays in the record's metadata,
+undecoded: the rollout decodes it (``images.py``) when the prompt is generated, so a bad image
+is a data failure of that one prompt, not of the whole dataset.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from typing import Any
 
 from tandemrl.config.models import DataConfig
 from tandemrl.data.prompt_format import check_messages, last_user_content
+from tandemrl.data.shapes import count_squares_rows, shape_colour_rows
 from tandemrl.envs.counting import continue_count
 
 BUILTIN_PREFIX = "builtin://"
@@ -94,8 +103,11 @@ def _optional_string(row: dict[str, Any], key: str, where: str, dotpath: str) ->
     )
 
 
-def parse_jsonl_line(line: str, cfg: DataConfig, where: str) -> PromptRecord:
-    """One JSONL line → record; ``where`` is ``"<file>:<line>"`` for error messages."""
+def parse_jsonl_line(
+    line: str, cfg: DataConfig, where: str, *, images: bool = False
+) -> PromptRecord:
+    """One JSONL line → record; ``where`` is ``"<file>:<line>"`` for error messages;
+    ``images``: the row must hold ``data.image_key``."""
     try:
         row = json.loads(line)
     except json.JSONDecodeError as error:
@@ -104,6 +116,8 @@ def parse_jsonl_line(line: str, cfg: DataConfig, where: str) -> PromptRecord:
         raise DatasetError(f"{where}: expected a JSON object, got {type(row).__name__}")
     conversation = _conversation(row, cfg, where)
     required = [(cfg.answer_key, "data.answer_key")]
+    if images:
+        required.append((cfg.image_key, "data.image_key"))
     if conversation is None:
         required.insert(0, (cfg.prompt_key, "data.prompt_key"))
     for key, dotpath in required:
@@ -150,21 +164,25 @@ def _conversation(row: dict[str, Any], cfg: DataConfig, where: str) -> list[Any]
         ) from error
 
 
-def parse_jsonl_text(text: str, cfg: DataConfig, source: str) -> list[PromptRecord]:
+def parse_jsonl_text(
+    text: str, cfg: DataConfig, source: str, *, images: bool = False
+) -> list[PromptRecord]:
     records = []
     for line_number, line in enumerate(text.splitlines(), start=1):
         if line.strip():
-            records.append(parse_jsonl_line(line, cfg, f"{source}:{line_number}"))
+            records.append(
+                parse_jsonl_line(line, cfg, f"{source}:{line_number}", images=images)
+            )
     if not records:
         raise DatasetError(f"{source}: the dataset holds no prompts (data.dataset)")
     return records
 
 
-def load_jsonl(path: str | Path, cfg: DataConfig) -> list[PromptRecord]:
+def load_jsonl(path: str | Path, cfg: DataConfig, *, images: bool = False) -> list[PromptRecord]:
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"data.dataset={str(path)!r}: no such file")
-    return parse_jsonl_text(path.read_text(encoding="utf-8"), cfg, str(path))
+    return parse_jsonl_text(path.read_text(encoding="utf-8"), cfg, str(path), images=images)
 
 
 def _load_bundled(name: str, file_name: str) -> list[PromptRecord]:
@@ -173,19 +191,43 @@ def _load_bundled(name: str, file_name: str) -> list[PromptRecord]:
     return parse_jsonl_text(text, DataConfig(), f"{BUILTIN_PREFIX}{name} ({file_name})")
 
 
-def load_prompt_records(cfg: DataConfig) -> list[PromptRecord]:
-    """The dataset ``data.dataset`` names, in its stored (unshuffled) order."""
+def generate_image_records(name: str, cfg: DataConfig) -> list[PromptRecord]:
+    """A built-in image dataset (``IMAGE_DATASETS``), each image under ``data.image_key``."""
+    rows = IMAGE_DATASETS[name](cfg.num_prompts, cfg.seed)
+    return [
+        PromptRecord(
+            prompt=row["prompt"], answer=row["answer"], metadata={cfg.image_key: row["image"]}
+        )
+        for row in rows
+    ]
+
+
+# Built-in datasets whose rows hold images (under data.image_key).
+IMAGE_DATASETS = {"shape-colour": shape_colour_rows, "count-squares": count_squares_rows}
+
+
+def load_prompt_records(cfg: DataConfig, *, images: bool = False) -> list[PromptRecord]:
+    """The dataset ``data.dataset`` names, in its stored (unshuffled) order; ``images``
+    (``policy.is_vlm``): every row must hold ``data.image_key``."""
     source = cfg.dataset or DEFAULT_DATASET
     if source.startswith(BUILTIN_PREFIX):
         name = source.removeprefix(BUILTIN_PREFIX)
+        if images and name not in IMAGE_DATASETS:
+            raise DatasetError(
+                f"data.dataset={source!r} holds no images, and policy.is_vlm is true; use a "
+                "JSONL file with a data.image_key field or builtin://shape-colour"
+            )
         if name == "counting":
             return generate_counting_records(cfg.num_prompts, cfg.seed)
         if name == "math":
             return _load_bundled(name, MATH_SMALL_FILE)
         if name == "math-heldout":
             return _load_bundled(name, MATH_HELDOUT_FILE)
+        if name in IMAGE_DATASETS:
+            return generate_image_records(name, cfg)
         raise DatasetError(
             f"data.dataset={source!r}: unknown built-in dataset; use builtin://counting, "
-            "builtin://math, builtin://math-heldout or a JSONL file path"
+            "builtin://math, builtin://math-heldout, builtin://shape-colour, "
+            "builtin://count-squares or a JSONL file path"
         )
-    return load_jsonl(source, cfg)
+    return load_jsonl(source, cfg, images=images)

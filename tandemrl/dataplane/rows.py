@@ -16,13 +16,19 @@ Row fields (one sequence of ``P`` prompt and ``C`` completion tokens, ``T = P + 
 - optional, added by the advantage / value stages: ``advantages`` ([T], or [] for one value
   per sequence, broadcast over the completion), ``values`` [T], ``returns`` [T],
   ``prev_logprobs`` [T]
+- a vision-language prompt's processed images (``policy.is_vlm``): one field per processor
+  output, named ``mm.<name>`` (``mm.pixel_values`` [patches, D] float32,
+  ``mm.image_grid_thw`` [images, 3] int64), each of the prompt's own first dimension. A
+  group's rows share its prompt, so a ``RowBlock`` holds them once, as shared fields; the
+  data plane stores and snapshots them with the row like any other field, and collation
+  pads them per row (``training.batch``).
 """
 
 from __future__ import annotations
 
 import struct
 from array import array
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
 
 import torch
@@ -31,6 +37,15 @@ from tandemrl.dataplane.base import BUFFER_DTYPES, RowBlock
 
 # Fields every row must hold.
 REQUIRED_ROW_KEYS = ("input_ids", "token_mask", "generation_logprobs", "reward", "sample_mask")
+# Prefix of the fields holding a prompt's processed images (``mm.pixel_values``, ...).
+MULTIMODAL_PREFIX = "mm."
+
+
+def multimodal_fields(image_inputs: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """A prompt's processor outputs as row fields (``mm.<name>``); {} for a text prompt."""
+    if not image_inputs:
+        return {}
+    return {MULTIMODAL_PREFIX + name: tensor for name, tensor in image_inputs.items()}
 
 
 class RowError(ValueError):
@@ -115,12 +130,14 @@ def make_group_block(
     completion_logprobs: Sequence[Sequence[float]],
     rewards: Sequence[float],
     sample_masks: Sequence[float],
+    image_inputs: Mapping[str, torch.Tensor] | None = None,
 ) -> RowBlock:
     """One prompt group's rows as a ``RowBlock``; row ``i`` equals ``make_training_row``'s.
 
     Per-token fields are [N, P + longest completion] (right padded with 0), ``reward`` and
     ``sample_mask`` are [N]. The block holds flat buffers; no tensor is made until someone
     reads a field (collation concatenates the buffers of a whole chunk instead).
+    ``image_inputs``: the prompt's processed images, shared by every row (``mm.<name>``).
     """
     count = len(sample_ids)
     if not (len(completions) == len(completion_logprobs) == len(rewards) == len(sample_masks)):
@@ -169,4 +186,5 @@ def make_group_block(
             "reward": _flat_buffer("f", rewards),
             "sample_mask": _flat_buffer("f", sample_masks),
         },
+        shared=multimodal_fields(image_inputs),
     )

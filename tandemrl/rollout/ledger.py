@@ -39,6 +39,9 @@ class UnfinishedGroup:
     staged: dict[int, StagedSibling] = field(default_factory=dict)
     # True once the group was carried over a restart (for metrics and tests).
     recovered: bool = False
+    # A vision-language prompt's processed images (models.vision), made when the group's
+    # prompt is encoded; never saved (a restart encodes the prompt's image again).
+    image_inputs: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
     def discard_staged(self) -> None:
         self.staged.clear()

@@ -58,6 +58,13 @@ from tandemrl.checkpoint.layout import JOURNAL
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "examples" / "configs" / "grpo_tiny_cpu_checkpointed.yaml"
+# The vision-language run of the chaos case (``VLM_CHECKPOINTING`` makes it checkpointed).
+VLM_CONFIG = REPO / "examples" / "configs" / "grpo_tiny_cpu_vlm.yaml"
+VLM_CHECKPOINTING = (
+    "checkpointing.enabled=true",
+    "checkpointing.save_data_plane=true",
+    "token_capture.enabled=true",
+)
 LIGHT_DRIVER = REPO / "tests" / "chaos" / "light_driver.py"
 MARKER_ENV = "TANDEMRL_CHAOS_RUN"
 POLL_S = 0.004
@@ -279,6 +286,7 @@ class Attempt:
         marker: str,
         *,
         zygote: LightZygote | None = None,
+        config: Path = CONFIG,
     ) -> None:
         self.index = index
         self.log_path = workdir / f"attempt_{index:02d}.log"
@@ -294,7 +302,7 @@ class Attempt:
         self._pids_at = 0.0
         self.process: subprocess.Popen[bytes] | ForkedProcess
         if zygote is not None:
-            self.process = zygote.start(["--config", str(CONFIG), *overrides], self.log_path)
+            self.process = zygote.start(["--config", str(config), *overrides], self.log_path)
             return
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
@@ -304,7 +312,7 @@ class Attempt:
                     "tandemrl.cli",
                     "train",
                     "--config",
-                    str(CONFIG),
+                    str(config),
                     *overrides,
                 ],
                 cwd=REPO,
@@ -525,11 +533,21 @@ def run_with_kills(
     point_timeout_s: float = 150.0,
     final_timeout_s: float = 420.0,
     log: Any = print,
+    config: Path = CONFIG,
+    extra_overrides: tuple[str, ...] = (),
+    light: bool = False,
 ) -> ChaosReport:
-    """Run, killing once per entry of ``points``, then let the last attempt finish."""
+    """Run, killing once per entry of ``points``, then let the last attempt finish.
+
+    ``config`` and ``extra_overrides``: the run (the checkpointed tiny job by default);
+    ``light``: attempts are ``light_driver.py`` over the fake engine and trainer
+    (``LIGHT_OVERRIDES``), forked by one zygote, instead of ``tandemrl train``."""
     shape = shape or RunShape()
     workdir.mkdir(parents=True, exist_ok=True)
-    overrides = shape.overrides(workdir)
+    overrides = [*shape.overrides(workdir), *extra_overrides]
+    if light:
+        overrides += LIGHT_OVERRIDES
+    zygote = LightZygote() if light else None
     checkpoint_dir = workdir / "ckpt"
     rng = random.Random(seed)
     marker = uuid.uuid4().hex
@@ -542,7 +560,9 @@ def run_with_kills(
             starts_before = sum(
                 event["event"] == "start" for event in _journal_events(checkpoint_dir / JOURNAL)
             )
-            attempt = Attempt(report.attempts, workdir, overrides, marker)
+            attempt = Attempt(
+                report.attempts, workdir, overrides, marker, zygote=zygote, config=config
+            )
             report.attempts += 1
             observer = Observer(checkpoint_dir, starts_before, shape)
             if not pending:
@@ -586,6 +606,9 @@ def run_with_kills(
         if attempt is not None:
             attempt.kill_everything()
         raise
+    finally:
+        if zygote is not None:
+            zygote.close()
     report.wall_s = time.monotonic() - started
     report.audit = audit(checkpoint_dir, shape)
     return report
