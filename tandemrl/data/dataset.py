@@ -170,9 +170,7 @@ def parse_jsonl_text(
     records = []
     for line_number, line in enumerate(text.splitlines(), start=1):
         if line.strip():
-            records.append(
-                parse_jsonl_line(line, cfg, f"{source}:{line_number}", images=images)
-            )
+            records.append(parse_jsonl_line(line, cfg, f"{source}:{line_number}", images=images))
     if not records:
         raise DatasetError(f"{source}: the dataset holds no prompts (data.dataset)")
     return records

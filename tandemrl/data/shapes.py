@@ -61,7 +61,11 @@ def count_squares_rows(num_prompts: int, seed: int) -> list[dict[str, Any]]:
     for _ in range(num_prompts):
         count = rng.randint(1, MAX_SQUARES)
         rows.append(
-            {"prompt": PROMPT, "answer": str(count), "image": png_data_uri(draw_squares(rng, count))}
+            {
+                "prompt": PROMPT,
+                "answer": str(count),
+                "image": png_data_uri(draw_squares(rng, count)),
+            }
         )
     return rows
 

@@ -99,9 +99,7 @@ class VisionPromptEncoder:
                     }
                 break
         return str(
-            self.processor.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False
-            )
+            self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         )
 
     def encode(self, item: PromptItem) -> tuple[list[int], dict[str, torch.Tensor]]:
@@ -111,7 +109,5 @@ class VisionPromptEncoder:
             text=[self.text(item, len(images))], images=images, return_tensors="pt"
         )
         token_ids = outputs["input_ids"][0].tolist()
-        image_inputs = {
-            name: value for name, value in outputs.items() if name not in TEXT_OUTPUTS
-        }
+        image_inputs = {name: value for name, value in outputs.items() if name not in TEXT_OUTPUTS}
         return token_ids, image_inputs

@@ -64,9 +64,7 @@ class ImageCheckingTrainer(FakeTrainer):
                 raise AssertionError(f"row {row}: its pixels are none of the dataset's images")
             if int(prompt[row].sum()) * 4 != count:  # 2 x 2 patches per image token
                 raise AssertionError(f"row {row}: {count} patches for its image tokens")
-            if row % self.group_size and digest != pixel_digest(
-                pixels[row - 1, : counts[row - 1]]
-            ):
+            if row % self.group_size and digest != pixel_digest(pixels[row - 1, : counts[row - 1]]):
                 raise AssertionError(f"row {row}: another image than its group's")
         return await super().train_microbatches(
             batch, step_num_sequences=step_num_sequences, step_num_tokens=step_num_tokens
@@ -89,9 +87,7 @@ def _vision_parts(cfg):
     model_path = str(resolve_model_path(cfg.policy.model_name))
     codec = run_text_codec(cfg, model_path)
     loader = PromptDataLoader.from_config(cfg.data, max_num_epochs=1, images=True)
-    digests = {
-        pixel_digest(codec.encode_prompt_inputs(item)[1]["pixel_values"]) for item in loader
-    }
+    digests = {pixel_digest(codec.encode_prompt_inputs(item)[1]["pixel_values"]) for item in loader}
     image_token_id = codec.encode("<|image_pad|>")[0]
     group_size = cfg.algorithm.num_generations_per_prompt
     return codec, ImageCheckingTrainer(

@@ -119,8 +119,14 @@ def test_row_images_read_every_form_and_name_each_problem(tmp_path: Path) -> Non
     for form in forms:
         [decoded] = row_images(form, field="image", base_dir=tmp_path, max_pixels=10_000)
         assert np.array_equal(np.asarray(decoded.convert("RGB")), pixels), form
-    assert len(row_images(["a.png", png_data_uri(image)], field="i", base_dir=tmp_path,
-                          max_pixels=10_000)) == 2
+    assert (
+        len(
+            row_images(
+                ["a.png", png_data_uri(image)], field="i", base_dir=tmp_path, max_pixels=10_000
+            )
+        )
+        == 2
+    )
     truncated = {"bytes": base64.b64encode(png_bytes(image)[:60]).decode()}
     problems = {
         "no such image file": "missing.png",
@@ -162,7 +168,8 @@ def test_engine_logprobs_of_vlm_rows_equal_the_trainers(model_dir: Path) -> None
             for s in range(2)
         ]
         task = asyncio.ensure_future(engine.generate(requests))
-        await asyncio.sleep(0)
+        while engine.stats.admissions == 0:  # admitted: the first prefill is under way
+            await asyncio.sleep(0.001)
         # A weight update while the requests decode: the cache is rebuilt from tokens and
         # images with the same (unchanged) weights, so nothing may move.
         await engine.update_weights(1, weights)
@@ -308,8 +315,9 @@ def test_vlm_rows_survive_a_data_plane_snapshot(model_dir: Path, tmp_path: Path)
     out = processor(text=["squares="], images=[squares_image(4)], return_tensors="pt")
     inputs = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
     ids = out["input_ids"][0].tolist()
-    block = make_group_block(["g/0", "g/1"], ids, [[5], [6, 7]], [[-1.0], [-2.0, -3.0]],
-                             [1.0, 0.0], [1.0, 1.0], inputs)
+    block = make_group_block(
+        ["g/0", "g/1"], ids, [[5], [6, 7]], [[-1.0], [-2.0, -3.0]], [1.0, 0.0], [1.0, 1.0], inputs
+    )
 
     async def round_trip():
         plane = LocalDataPlane()
@@ -340,10 +348,19 @@ def test_vlm_rows_survive_a_data_plane_snapshot(model_dir: Path, tmp_path: Path)
         (("data.dataset=builtin://counting",), "holds no images"),
         (("policy.tokenizer.name=tiny://qwen2-counting",), "policy.tokenizer.name="),
         (("policy.is_vlm=false",), "is a vision-language preset"),
-        (("policy.is_vlm=false", "policy.model_name=tiny://qwen2-counting"),
-         "data.dataset='builtin://count-squares' holds images"),
-        (("policy.is_vlm=false", "policy.model_name=tiny://qwen2-counting",
-          "data.dataset=builtin://counting", "data.image_key=picture"), "data.image_key: applies"),
+        (
+            ("policy.is_vlm=false", "policy.model_name=tiny://qwen2-counting"),
+            "data.dataset='builtin://shape-colour' holds images",
+        ),
+        (
+            (
+                "policy.is_vlm=false",
+                "policy.model_name=tiny://qwen2-counting",
+                "data.dataset=builtin://counting",
+                "data.image_key=picture",
+            ),
+            "data.image_key: applies",
+        ),
     ],
 )
 def test_vision_config_rules_name_the_dotpath(overrides: tuple[str, ...], message: str) -> None:
@@ -355,20 +372,62 @@ def test_the_exemplar_is_valid() -> None:
     assert validate_single_controller_config(load_config(EXEMPLAR, ())) == []
 
 
-def test_preflight_refuses_folders_and_rows_that_do_not_fit(model_dir: Path, tmp_path: Path) -> None:
-    text_dir = resolve_model_path("tiny://qwen2.5", tmp_path / "models")
+def test_preflight_refuses_folders_and_rows_that_do_not_fit(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    text_dir = tmp_path / "text-model"  # what a text-only save_pretrained folder shows
+    text_dir.mkdir()
+    (text_dir / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    (text_dir / "model.safetensors").write_bytes(b"")
+    (text_dir / "tokenizer.json").write_text("{}")
     rows = [{"prompt": "squares=", "answer": "1", "image": "a.png"}, {"prompt": "x", "answer": "1"}]
     dataset = write_dataset(tmp_path, rows)
     problems = runtime_problems(vlm_cfg(f"policy.model_name={text_dir}"))
-    assert any("policy.is_vlm: true, but policy.model_name=" in p and "text-only" in p
-               for p in problems), problems
+    assert any(
+        "policy.is_vlm: true, but policy.model_name=" in p and "text-only" in p for p in problems
+    ), problems
     problems = runtime_problems(
-        vlm_cfg(f"policy.model_name={model_dir}", "policy.is_vlm=false",
-                "data.dataset=builtin://counting")
+        vlm_cfg(
+            f"policy.model_name={model_dir}",
+            "policy.is_vlm=false",
+            "data.dataset=builtin://counting",
+        )
     )
     assert any("is a vision-language model" in p for p in problems), problems
-    problems = runtime_problems(vlm_cfg(f"policy.model_name={model_dir}", f"data.dataset={dataset}"))
+    problems = runtime_problems(
+        vlm_cfg(f"policy.model_name={model_dir}", f"data.dataset={dataset}")
+    )
     assert any(f"{dataset}:2: missing field 'image' (data.image_key)" in p for p in problems)
     with pytest.raises(DatasetError, match="holds no images"):
-        load_prompt_records(vlm_cfg().data.model_copy(update={"dataset": "builtin://math"}),
-                            images=True)
+        load_prompt_records(
+            vlm_cfg().data.model_copy(update={"dataset": "builtin://math"}), images=True
+        )
+
+
+def test_vlm_rows_survive_the_simple_data_planes_wire_encoding(model_dir: Path) -> None:
+    """data_plane.backend: simple puts rows through TransferQueue batches: image tensors of
+    different sizes per row come back with their shapes and dtypes."""
+    tq_rows = pytest.importorskip("tandemrl.dataplane.tq_rows")
+    pytest.importorskip("tensordict")
+    processor = load_processor(model_dir)
+    rows = {}
+    for index, count in enumerate((1, 2)):  # one image, then two: 16 and 32 patches
+        images = [squares_image(2)] * count
+        out = processor(
+            text=["<|image_pad|>" * count + "colour="], images=images, return_tensors="pt"
+        )
+        inputs = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+        block = make_group_block(
+            [f"g{index}/0"], out["input_ids"][0].tolist(), [[5]], [[-1.0]], [1.0], [1.0], inputs
+        )
+        rows.update(block.rows())
+    assert rows["g1/0"]["mm.pixel_values"].shape == (32, 294)
+    for group in tq_rows.pack_rows(rows):
+        specs = [tq_rows.row_tag(key, rows[key])[tq_rows.TAG_NAME] for key in group.keys]
+        fields = [
+            {f: (tq_rows.dtype_from_name(d), tuple(s)) for f, (d, s) in spec["fields"].items()}
+            for spec in specs
+        ]
+        for key, row in tq_rows.unpack_rows(group.keys, fields, group.batch).items():
+            for name, tensor in rows[key].items():
+                assert torch.equal(row[name], tensor), (key, name)
