@@ -13,6 +13,8 @@ What ``is_vlm: true`` cannot run with, and why:
   rows carry 3-D rotary positions and image tensors per row; ``auto`` leaves packing off;
 - PPO: the critic is a text model with a value head; it has no vision tower;
 - ``policy.tokenizer.name``: the processor of the model folder brings its own tokenizer;
+- on-policy distillation, agents (``env.name: agent``) and validation passes: their requests
+  and teachers see token ids only, not the prompt's images (not built for VLMs yet);
 - a dataset without images (``builtin://counting``, ``builtin://math``), and a tiny preset
   that is not a vision-language model (or the reverse: a VLM preset without ``is_vlm``).
 """
@@ -81,6 +83,23 @@ def vision_problems(cfg: MasterConfig) -> list[str]:
             f"data.dataset={data.dataset!r} holds no images, and policy.is_vlm is true; give a "
             f"JSONL file whose rows hold data.image_key ({data.image_key!r}) or "
             f"{IMAGE_DATASETS[0]}"
+        )
+    if cfg.is_distillation:
+        problems.append(
+            "policy.is_vlm: true with on_policy_distillation: is refused — the teachers score "
+            "token ids without the prompt's images; use grpo:"
+        )
+    if cfg.env.name == "agent":
+        problems.append(
+            "policy.is_vlm: true with env.name: agent is refused — agents reach the policy "
+            "through a text endpoint that carries no images"
+        )
+    if cfg.validates:
+        algo = cfg.algorithm_key
+        problems.append(
+            f"policy.is_vlm: true with validation passes ({algo}.val_period, val_at_start, "
+            "val_at_end) is refused — validation requests do not carry the prompts' images "
+            f"yet; set {algo}.val_period: 0 and val_at_start/val_at_end: false"
         )
     if policy.tokenizer.name is not None:
         problems.append(

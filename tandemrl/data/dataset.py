@@ -24,6 +24,12 @@ With ``images=True`` (``policy.is_vlm``) every row must hold ``data.image_key``;
 it is an error naming the file and line. The field's value stays in the record's metadata,
 undecoded: the rollout decodes it (``images.py``) when the prompt is generated, so a bad image
 is a data failure of that one prompt, not of the whole dataset.
+
+``load_validation_records(cfg, max_samples=...)`` reads ``data.validation`` the same way, with
+the same field mapping; ``builtin://counting`` there draws from ``random.Random(data.seed +
+VALIDATION_SEED_OFFSET)``, so its prompts are not the training list's order (the task has only
+1000 distinct prompts, so they are not disjoint from it either). ``max_samples`` keeps the first
+prompts in stored order.
 """
 
 from __future__ import annotations
@@ -47,6 +53,8 @@ DEFAULT_DATASET = "builtin://counting"
 COUNTING_PROMPT_DIGITS = 3
 MATH_SMALL_FILE = "math_small.jsonl"
 MATH_HELDOUT_FILE = "math_heldout.jsonl"
+# builtin://counting as data.validation draws its prompts with data.seed + this.
+VALIDATION_SEED_OFFSET = 1_000_003
 
 
 class DatasetError(ValueError):
@@ -165,22 +173,30 @@ def _conversation(row: dict[str, Any], cfg: DataConfig, where: str) -> list[Any]
 
 
 def parse_jsonl_text(
-    text: str, cfg: DataConfig, source: str, *, images: bool = False
+    text: str,
+    cfg: DataConfig,
+    source: str,
+    *,
+    dotpath: str = "data.dataset",
+    images: bool = False,
 ) -> list[PromptRecord]:
     records = []
     for line_number, line in enumerate(text.splitlines(), start=1):
         if line.strip():
             records.append(parse_jsonl_line(line, cfg, f"{source}:{line_number}", images=images))
     if not records:
-        raise DatasetError(f"{source}: the dataset holds no prompts (data.dataset)")
+        raise DatasetError(f"{source}: the dataset holds no prompts ({dotpath})")
     return records
 
 
-def load_jsonl(path: str | Path, cfg: DataConfig, *, images: bool = False) -> list[PromptRecord]:
+def load_jsonl(
+    path: str | Path, cfg: DataConfig, *, dotpath: str = "data.dataset", images: bool = False
+) -> list[PromptRecord]:
     path = Path(path)
     if not path.is_file():
-        raise DatasetError(f"data.dataset={str(path)!r}: no such file")
-    return parse_jsonl_text(path.read_text(encoding="utf-8"), cfg, str(path), images=images)
+        raise DatasetError(f"{dotpath}={str(path)!r}: no such file")
+    text = path.read_text(encoding="utf-8")
+    return parse_jsonl_text(text, cfg, str(path), dotpath=dotpath, images=images)
 
 
 def _load_bundled(name: str, file_name: str) -> list[PromptRecord]:
@@ -189,9 +205,9 @@ def _load_bundled(name: str, file_name: str) -> list[PromptRecord]:
     return parse_jsonl_text(text, DataConfig(), f"{BUILTIN_PREFIX}{name} ({file_name})")
 
 
-def generate_image_records(name: str, cfg: DataConfig) -> list[PromptRecord]:
+def generate_image_records(name: str, cfg: DataConfig, seed: int) -> list[PromptRecord]:
     """A built-in image dataset (``IMAGE_DATASETS``), each image under ``data.image_key``."""
-    rows = IMAGE_DATASETS[name](cfg.num_prompts, cfg.seed)
+    rows = IMAGE_DATASETS[name](cfg.num_prompts, seed)
     return [
         PromptRecord(
             prompt=row["prompt"], answer=row["answer"], metadata={cfg.image_key: row["image"]}
@@ -204,28 +220,50 @@ def generate_image_records(name: str, cfg: DataConfig) -> list[PromptRecord]:
 IMAGE_DATASETS = {"shape-colour": shape_colour_rows, "count-squares": count_squares_rows}
 
 
-def load_prompt_records(cfg: DataConfig, *, images: bool = False) -> list[PromptRecord]:
-    """The dataset ``data.dataset`` names, in its stored (unshuffled) order; ``images``
-    (``policy.is_vlm``): every row must hold ``data.image_key``."""
-    source = cfg.dataset or DEFAULT_DATASET
+def _load_source(
+    source: str, cfg: DataConfig, *, dotpath: str, seed: int, images: bool = False
+) -> list[PromptRecord]:
     if source.startswith(BUILTIN_PREFIX):
         name = source.removeprefix(BUILTIN_PREFIX)
         if images and name not in IMAGE_DATASETS:
             raise DatasetError(
-                f"data.dataset={source!r} holds no images, and policy.is_vlm is true; use a "
+                f"{dotpath}={source!r} holds no images, and policy.is_vlm is true; use a "
                 "JSONL file with a data.image_key field or builtin://shape-colour"
             )
         if name == "counting":
-            return generate_counting_records(cfg.num_prompts, cfg.seed)
+            return generate_counting_records(cfg.num_prompts, seed)
         if name == "math":
             return _load_bundled(name, MATH_SMALL_FILE)
         if name == "math-heldout":
             return _load_bundled(name, MATH_HELDOUT_FILE)
         if name in IMAGE_DATASETS:
-            return generate_image_records(name, cfg)
+            return generate_image_records(name, cfg, seed)
         raise DatasetError(
-            f"data.dataset={source!r}: unknown built-in dataset; use builtin://counting, "
+            f"{dotpath}={source!r}: unknown built-in dataset; use builtin://counting, "
             "builtin://math, builtin://math-heldout, builtin://shape-colour, "
             "builtin://count-squares or a JSONL file path"
         )
-    return load_jsonl(source, cfg, images=images)
+    return load_jsonl(source, cfg, dotpath=dotpath, images=images)
+
+
+def load_prompt_records(cfg: DataConfig, *, images: bool = False) -> list[PromptRecord]:
+    """The dataset ``data.dataset`` names, in its stored (unshuffled) order; ``images``
+    (``policy.is_vlm``): every row must hold ``data.image_key``."""
+    source = cfg.dataset or DEFAULT_DATASET
+    return _load_source(source, cfg, dotpath="data.dataset", seed=cfg.seed, images=images)
+
+
+def load_validation_records(
+    cfg: DataConfig, *, max_samples: int | None, images: bool = False
+) -> list[PromptRecord]:
+    """The held-out prompts ``data.validation`` names (its first ``max_samples``)."""
+    if cfg.validation is None:
+        raise DatasetError("data.validation: not set; a validation pass needs held-out prompts")
+    records = _load_source(
+        cfg.validation,
+        cfg,
+        dotpath="data.validation",
+        seed=cfg.seed + VALIDATION_SEED_OFFSET,
+        images=images,
+    )
+    return records if max_samples is None else records[:max_samples]

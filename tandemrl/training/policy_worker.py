@@ -7,6 +7,9 @@ One RL step::
 
     get_logprobs(batch)            -> prev_logprobs (no grad; may run mid-step; skipped with
                                       loss_fn.reuse_training_logprobs, see below)
+    get_reference_logprobs(batch)  -> reference_logprobs (no grad; only with
+                                      loss_fn.reference_policy_kl_penalty > 0: the worker
+                                      then keeps a frozen copy of the initial weights)
     begin_train_step()             zero gradients
     train_microbatches(chunk, step_num_sequences=S, step_num_tokens=N)   once per chunk
     finish_train_step()            clip, exactly one optimizer step, metrics
@@ -307,6 +310,18 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
                 layer.compile(dynamic=True)
         if policy_cfg.dtensor_cfg.activation_checkpointing:
             self.model.gradient_checkpointing_enable()
+        # The frozen reference policy of the KL penalty: the initial weights of the model
+        # folder (a resumed run loads its checkpoint into self.model, never into this one).
+        self.reference_model: torch.nn.Module | None = None
+        if loss_cfg.reference_policy_kl_penalty > 0:
+            self.reference_model = load_policy_model(
+                self.model_path, dtype=torch.float32, device=self.device
+            )
+            self.reference_model.config.use_cache = False
+            self.reference_model.requires_grad_(False)
+            self.reference_model.eval()
+            if self.sequence_packing:
+                use_packed_attention(self.reference_model)
         self.optimizer = build_optimizer(self.model.parameters(), policy_cfg.optimizer, self.device)
         self.scheduler = build_scheduler(self.optimizer, policy_cfg.scheduler)
         self._offload = OptimizerOffload(self.optimizer, self.device)
@@ -446,16 +461,17 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
             "image_grid_thw": None if grids is None else grids.to(self.device),
         }
 
-    def _model_call_inputs(self, micro: Micro) -> dict[str, Any]:
-        """What the forward takes: ``micro.model_inputs``; for a vision-language micro-batch
-        its token embeddings with the images' features (``image_embeddings``), computed here,
-        inside the forward, so that the vision tower trains with the rest."""
+    def _model_call_inputs(self, micro: Micro, model: torch.nn.Module) -> dict[str, Any]:
+        """What ``model``'s forward takes: ``micro.model_inputs``; for a vision-language
+        micro-batch its token embeddings with the images' features (``image_embeddings``, by
+        ``model``'s own vision tower), computed here, inside the forward, so that the vision
+        tower trains with the rest."""
         if not self.is_vlm:
             return micro.model_inputs
         inputs = dict(micro.model_inputs)
         input_ids = inputs.pop("input_ids")
         inputs["inputs_embeds"] = image_embeddings(
-            self.model,
+            model,
             input_ids,
             inputs.pop("image_prompt_mask"),
             inputs.pop("pixel_values"),
@@ -463,25 +479,29 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
         )
         return inputs
 
-    def _forward(self, micro: Micro, *, entropy: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(
+        self, micro: Micro, *, entropy: str, model: torch.nn.Module | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(logprobs [b, l], entropy [b, l] or None); ``entropy``: "none", "metric" or "grad".
 
         Entries outside ``micro.needed`` are 0 on the head path (they are never a loss
-        position); the full-logits path fills every position.
+        position); the full-logits path fills every position. ``model``: the trained model
+        (default) or the frozen reference, which has the same architecture.
         """
+        model = self.model if model is None else model
         if not self.use_head_logprobs:
-            return self._forward_logits(micro, entropy=entropy)
+            return self._forward_logits(micro, entropy=entropy, model=model)
         input_ids = micro.batch["input_ids"]
         rows, length = input_ids.shape
         with autocast(self.device, self.autocast_dtype):
-            hidden = self.model.base_model(
-                **self._model_call_inputs(micro), use_cache=False
+            hidden = model.base_model(
+                **self._model_call_inputs(micro, model), use_cache=False
             ).last_hidden_state
         hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, micro.hidden_index)
         compute_dtype = self.autocast_dtype or torch.float32
         logprobs, token_entropy_ = head_logprobs(
             hidden.to(compute_dtype),
-            self.model.get_output_embeddings().weight,
+            model.get_output_embeddings().weight,
             micro.targets,
             temperature=self.temperature,
         )
@@ -494,17 +514,17 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
         return logprobs, zeros.index_copy(0, micro.needed, token_entropy_).view(rows, length)
 
     def _forward_logits(
-        self, micro: Micro, *, entropy: str
+        self, micro: Micro, *, entropy: str, model: torch.nn.Module
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         with autocast(self.device, self.autocast_dtype):
             if self.is_vlm:
-                inputs = self._model_call_inputs(micro)
+                inputs = self._model_call_inputs(micro, model)
             else:
                 inputs = {
                     "input_ids": micro.batch["input_ids"],
                     "attention_mask": micro.batch["attention_mask"],
                 }
-            logits = self.model(**inputs, use_cache=False).logits
+            logits = model(**inputs, use_cache=False).logits
         logprobs, scaled = sequence_logprobs(logits, micro.batch["input_ids"], self.temperature)
         if entropy == "none":
             return logprobs, None
@@ -513,12 +533,13 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
         with torch.no_grad():
             return logprobs, F.pad(token_entropy(scaled.detach()), (1, 0))
 
-    def _get_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+    def _get_logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
         self._check_length(batch)
         if self.cfg.offload_optimizer_for_logprob:
             self._offload.offload()
-        was_training = self.model.training
-        self.model.eval()
+        model = self._reference() if reference else self.model
+        was_training = model.training
+        model.eval()
         batch, order = sort_rows_by_length(batch)
         out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32, device=self.device)
         packed = self._packs(batch)
@@ -528,15 +549,24 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
             for micro in micros:
                 size, length = micro["input_ids"].shape
                 prepared = self._prepare(micro, micro["attention_mask"] != 0, packed)
-                logprobs, _ = self._forward(prepared, entropy="none")
+                logprobs, _ = self._forward(prepared, entropy="none", model=model)
                 mask = prepared.batch["attention_mask"].to(logprobs.dtype)
                 out[start : start + size, :length] = logprobs * mask
                 start += size
-        self.model.train(was_training)
+        model.train(was_training)
         out = out.cpu()  # the one wait for the device
         unsorted = torch.empty_like(out)
         unsorted[order] = out
         return unsorted
+
+    def _reference(self) -> torch.nn.Module:
+        if self.reference_model is None:
+            raise ValueError(
+                "get_reference_logprobs needs a reference policy: set "
+                "loss_fn.reference_policy_kl_penalty > 0 (the worker then keeps a frozen copy "
+                "of the initial weights)"
+            )
+        return self.reference_model
 
     # ------------------------------------------------------------------ split train step
 
@@ -712,6 +742,10 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
     async def get_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """[B, L] logprobs of ``input_ids`` under the current weights (no grad), on CPU."""
         return await self._executor.run(self._get_logprobs, batch)
+
+    async def get_reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """[B, L] logprobs of ``input_ids`` under the frozen reference policy, on CPU."""
+        return await self._executor.run(self._get_logprobs, batch, True)
 
     async def export_weights(self) -> dict[str, torch.Tensor]:
         """CPU float32 state dict (contiguous copies, every key incl. tied lm_head.weight)."""

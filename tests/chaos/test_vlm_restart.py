@@ -13,7 +13,14 @@ from chaos_harness import VLM_CHECKPOINTING, VLM_CONFIG, RunShape, dump, run_wit
 
 pytestmark = pytest.mark.chaos
 
-SHAPE = RunShape(num_prompts=32, epochs=1, prompts_per_step=4, generations_per_prompt=2)
+SHAPE = RunShape(
+    num_prompts=32,
+    epochs=1,
+    prompts_per_step=4,
+    generations_per_prompt=2,
+    config=VLM_CONFIG,
+    extra=VLM_CHECKPOINTING,
+)
 POINTS = ["with_buffered_groups", "snapshot_write"]
 
 
@@ -22,8 +29,6 @@ def test_a_killed_vlm_run_restores_its_image_rows_and_trains_every_prompt_once(t
         tmp_path,
         POINTS,
         shape=SHAPE,
-        config=VLM_CONFIG,
-        extra_overrides=VLM_CHECKPOINTING,
         light=True,
     )
     dump(report, tmp_path / "chaos_report.json")

@@ -190,7 +190,7 @@ def test_engine_logprobs_of_vlm_rows_equal_the_trainers(model_dir: Path) -> None
                 [r.logprobs for r in pair],
                 [0.0, 1.0],
                 [1.0, 1.0],
-                image_inputs,
+                image_inputs=image_inputs,
             )
         )
     rows = [row for block in blocks for row in block.row_views()]
@@ -316,7 +316,13 @@ def test_vlm_rows_survive_a_data_plane_snapshot(model_dir: Path, tmp_path: Path)
     inputs = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
     ids = out["input_ids"][0].tolist()
     block = make_group_block(
-        ["g/0", "g/1"], ids, [[5], [6, 7]], [[-1.0], [-2.0, -3.0]], [1.0, 0.0], [1.0, 1.0], inputs
+        ["g/0", "g/1"],
+        ids,
+        [[5], [6, 7]],
+        [[-1.0], [-2.0, -3.0]],
+        [1.0, 0.0],
+        [1.0, 1.0],
+        image_inputs=inputs,
     )
 
     async def round_trip():
@@ -347,6 +353,10 @@ def test_vlm_rows_survive_a_data_plane_snapshot(model_dir: Path, tmp_path: Path)
         (("policy.model_name=tiny://qwen2-counting",), "is a text-only preset"),
         (("data.dataset=builtin://counting",), "holds no images"),
         (("policy.tokenizer.name=tiny://qwen2-counting",), "policy.tokenizer.name="),
+        (
+            ("grpo.val_period=1", "data.validation=builtin://shape-colour"),
+            "policy.is_vlm: true with validation passes",
+        ),
         (("policy.is_vlm=false",), "is a vision-language preset"),
         (
             ("policy.is_vlm=false", "policy.model_name=tiny://qwen2-counting"),
@@ -418,7 +428,13 @@ def test_vlm_rows_survive_the_simple_data_planes_wire_encoding(model_dir: Path) 
         )
         inputs = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
         block = make_group_block(
-            [f"g{index}/0"], out["input_ids"][0].tolist(), [[5]], [[-1.0]], [1.0], [1.0], inputs
+            [f"g{index}/0"],
+            out["input_ids"][0].tolist(),
+            [[5]],
+            [[-1.0]],
+            [1.0],
+            [1.0],
+            image_inputs=inputs,
         )
         rows.update(block.rows())
     assert rows["g1/0"]["mm.pixel_values"].shape == (32, 294)
