@@ -89,10 +89,10 @@ def vision_problems(cfg: MasterConfig) -> list[str]:
             "policy.is_vlm: true with on_policy_distillation: is refused — the teachers score "
             "token ids without the prompt's images; use grpo:"
         )
-    if cfg.env.name == "agent":
+    if cfg.env.name in ("agent", "nemo_gym"):
         problems.append(
-            "policy.is_vlm: true with env.name: agent is refused — agents reach the policy "
-            "through a text endpoint that carries no images"
+            f"policy.is_vlm: true with env.name: {cfg.env.name} is refused — agents reach the "
+            "policy through a text endpoint that carries no images"
         )
     if cfg.validates:
         algo = cfg.algorithm_key

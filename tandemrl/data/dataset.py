@@ -246,10 +246,23 @@ def _load_source(
     return load_jsonl(source, cfg, dotpath=dotpath, images=images)
 
 
-def load_prompt_records(cfg: DataConfig, *, images: bool = False) -> list[PromptRecord]:
-    """The dataset ``data.dataset`` names, in its stored (unshuffled) order; ``images``
-    (``policy.is_vlm``): every row must hold ``data.image_key``."""
+def load_prompt_records(
+    cfg: DataConfig, *, gym_rows: bool = False, images: bool = False
+) -> list[PromptRecord]:
+    """The dataset ``data.dataset`` names, in its stored (unshuffled) order; ``gym_rows``
+    (``env.name: nemo_gym``): a JSONL file of NeMo-Gym rows (``tandemrl.data.gym_rows``);
+    ``images`` (``policy.is_vlm``): every row must hold ``data.image_key``."""
     source = cfg.dataset or DEFAULT_DATASET
+    if gym_rows:
+        from tandemrl.data.gym_rows import parse_gym_jsonl
+
+        path = Path(source)
+        if source.startswith(BUILTIN_PREFIX) or not path.is_file():
+            raise DatasetError(
+                f"data.dataset={source!r}: env.name: nemo_gym reads a JSONL file of NeMo-Gym "
+                "rows (responses_create_params, agent_ref, ...); no such file"
+            )
+        return parse_gym_jsonl(path.read_text(encoding="utf-8"), str(path))
     return _load_source(source, cfg, dotpath="data.dataset", seed=cfg.seed, images=images)
 
 
