@@ -148,6 +148,7 @@ BUILTIN_EXCLUDED_PATHS: tuple[str, ...] = (
 # at a restart. (Not read at run time: the identity is everything not operational.)
 ROLLOUT_SEMANTIC_PATHS: tuple[str, ...] = (
     "policy.model_name",
+    "policy.is_vlm",
     "policy.tokenizer.**",
     "policy.train_global_batch_size",
     "policy.max_total_sequence_length",
@@ -253,6 +254,8 @@ ROLLOUT_SEMANTIC_PATHS: tuple[str, ...] = (
     "data.prompt_format",
     "data.system_prompt",
     "data.messages_key",
+    "data.image_key",
+    "data.max_image_pixels",
     "env.name",
     "env.target",
     "env.kwargs",

@@ -209,6 +209,10 @@ class PolicyConfig(Strict):
     # supported model), "on": always (CPU uses a reference attention; an unsupported model
     # is refused), "off": padded micro-batches.
     sequence_packing: Switch = "auto"
+    # A vision-language model (policy.model_name an image-text-to-text folder or
+    # tiny://qwen2-vl): prompts carry images (data.image_key), processed by the model's own
+    # processor; docs/vlm.md.
+    is_vlm: bool = False
 
 
 # --------------------------------------------------------------------------- algorithms
@@ -607,6 +611,11 @@ class DataConfig(Strict):
     # chat only: the JSONL field that may hold a whole conversation, a list of
     # {"role": ..., "content": ...}; a row with it needs no prompt_key field.
     messages_key: str = "messages"
+    # policy.is_vlm only: the field holding a row's image(s) (a path, a data URI,
+    # {"bytes": base64} or a nested pixel array; tandemrl/data/images.py), and the largest
+    # image (width x height) a prompt may bring: a bigger one is a data failure of its prompt.
+    image_key: str = "image"
+    max_image_pixels: int = Field(4096 * 4096, ge=1)
     # Held-out prompts for validation passes: a source like `dataset` (a JSONL file read with
     # the same *_key mapping, or a builtin://), never trained on. None: no validation data.
     validation: str | None = None

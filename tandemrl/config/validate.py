@@ -17,6 +17,7 @@ from typing import Any
 
 from tandemrl.config.errors import ConfigError
 from tandemrl.config.models import CustomSamplerConfig, MasterConfig, TorchGenerationConfig
+from tandemrl.config.vision_rules import vision_problems
 from tandemrl.config.weight_sync import facts_from_config, weight_sync_problems
 
 # Data-plane backends whose rows can be saved to and loaded from a checkpoint directory.
@@ -72,6 +73,7 @@ class _Checker:
         self.check_agents()
         self.check_nemo_gym()
         self.check_prompt_format()
+        self.errors.extend(vision_problems(self.cfg))
 
     # ------------------------------------------------------------------ sampler class
 

@@ -43,6 +43,14 @@ detached — exact because gradients accumulate and the weights change only in
 ``finish_train_step``. The micro-batch loop never waits for the device: inputs are cut and
 moved before it, metrics stay on the device and come back in one transfer per chunk.
 
+Vision-language models (``policy.is_vlm``, ``models.vision``): a batch's image fields
+(``mm.*``, ``training.batch``) go to the forward as the processor's ``pixel_values`` and
+``image_grid_thw`` of the micro-batch's rows, with the 3-D rotary positions of
+``vision_position_ids`` computed on the host from the same tokens and grids the engine's
+prefill used; logprobs are then taken at the loss positions exactly as for text. Their rows
+are never packed (``sequence_packing: auto`` leaves packing off for them, with a log line;
+``on`` is refused).
+
 Precision: parameters and optimizer state are float32; "auto" runs forward/backward under
 bfloat16 autocast on CUDA and in plain float32 on CPU.
 
@@ -60,6 +68,7 @@ read back with ``torch.load(weights_only=True)``).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import shutil
 import time
@@ -72,9 +81,21 @@ from transformers import AutoModelForCausalLM
 
 from tandemrl.config.models import LossConfig, PolicyConfig
 from tandemrl.dataplane.atomic import atomic_directory
-from tandemrl.models import load_causal_lm, resolve_device, resolve_model_path
+from tandemrl.models import resolve_device, resolve_model_path
+from tandemrl.models.vision import (
+    image_embeddings,
+    is_vision_model,
+    load_policy_model,
+    vision_position_ids,
+)
 from tandemrl.training.api import TrainBatch
-from tandemrl.training.batch import count_loss_tokens, loss_mask, split_microbatches, trim_padding
+from tandemrl.training.batch import (
+    count_loss_tokens,
+    loss_mask,
+    multimodal_inputs,
+    split_microbatches,
+    trim_padding,
+)
 from tandemrl.training.causal_mask import no_mask_argument
 from tandemrl.training.logprob_head import head_logprobs, supports_head_logprobs
 from tandemrl.training.losses import metrics_to_floats, policy_loss_terms, token_entropy
@@ -117,7 +138,13 @@ TOKENIZER_FILES = (
     "merges.txt",
     "tokenizer.model",
     "chat_template.jinja",
+    # A vision-language model's processor (models.vision.load_processor).
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
 )
+
+log = logging.getLogger(__name__)
 
 
 def copy_tokenizer_files(source: Path, target: Path) -> list[str]:
@@ -266,7 +293,8 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
         self.device = resolve_device(policy_cfg.device)
         self.autocast_dtype = autocast_dtype(policy_cfg.precision, self.device)
         self.temperature = policy_cfg.generation.temperature
-        self.model = load_causal_lm(self.model_path, dtype=torch.float32, device=self.device)
+        self.model = load_policy_model(self.model_path, dtype=torch.float32, device=self.device)
+        self.is_vlm = is_vision_model(self.model)
         self.model.config.use_cache = False
         # Logprobs from the hidden states through the chunked head (logprob_head.py) where
         # the model's logits are a plain lm_head; the full-logits path otherwise.
@@ -286,7 +314,7 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
         # folder (a resumed run loads its checkpoint into self.model, never into this one).
         self.reference_model: torch.nn.Module | None = None
         if loss_cfg.reference_policy_kl_penalty > 0:
-            self.reference_model = load_causal_lm(
+            self.reference_model = load_policy_model(
                 self.model_path, dtype=torch.float32, device=self.device
             )
             self.reference_model.config.use_cache = False
@@ -305,6 +333,15 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
     def _resolve_packing(self, setting: str) -> bool:
         """``policy.sequence_packing`` for this model and device (see PolicyConfig)."""
         if setting == "off":
+            return False
+        if self.is_vlm:
+            blocker = "vision-language rows carry 3-D rotary positions and image tensors per row"
+            if setting == "on":
+                raise ValueError(
+                    f"policy.sequence_packing: on cannot pack this model ({blocker}); "
+                    "set it to auto or off"
+                )
+            log.info("policy.sequence_packing=auto: packing off for this model (%s)", blocker)
             return False
         blocker = packing_blocker(self.model)
         if blocker is None and not self.use_head_logprobs:
@@ -397,6 +434,8 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
                 "input_ids": batch["input_ids"],
                 "attention_mask": self._no_mask if right_padded else batch["attention_mask"],
             }
+            if self.is_vlm:
+                model_inputs.update(self._vision_inputs(micro))
         return Micro(
             batch=batch,
             needed=index.to(self.device),
@@ -404,6 +443,41 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
             hidden_index=hidden_index.to(self.device),
             model_inputs=model_inputs,
         )
+
+    def _vision_inputs(self, micro: TrainBatch) -> dict[str, Any]:
+        """A vision-language micro-batch's 3-D positions, prompt mask and image inputs, on
+        the device (``_model_call_inputs`` turns them into the forward's embeddings)."""
+        images = multimodal_inputs(micro)
+        grids = images.get("image_grid_thw")
+        prompt_mask = (micro["token_mask"] == 0) & (micro["attention_mask"] != 0)
+        positions, _deltas = vision_position_ids(
+            self.model, micro["input_ids"], micro["attention_mask"], grids, prompt_mask
+        )
+        pixels = images.get("pixel_values")
+        return {
+            "position_ids": positions.to(self.device),
+            "image_prompt_mask": prompt_mask.to(self.device),
+            "pixel_values": None if pixels is None else pixels.to(self.device, self.model.dtype),
+            "image_grid_thw": None if grids is None else grids.to(self.device),
+        }
+
+    def _model_call_inputs(self, micro: Micro, model: torch.nn.Module) -> dict[str, Any]:
+        """What ``model``'s forward takes: ``micro.model_inputs``; for a vision-language
+        micro-batch its token embeddings with the images' features (``image_embeddings``, by
+        ``model``'s own vision tower), computed here, inside the forward, so that the vision
+        tower trains with the rest."""
+        if not self.is_vlm:
+            return micro.model_inputs
+        inputs = dict(micro.model_inputs)
+        input_ids = inputs.pop("input_ids")
+        inputs["inputs_embeds"] = image_embeddings(
+            model,
+            input_ids,
+            inputs.pop("image_prompt_mask"),
+            inputs.pop("pixel_values"),
+            inputs.pop("image_grid_thw"),
+        )
+        return inputs
 
     def _forward(
         self, micro: Micro, *, entropy: str, model: torch.nn.Module | None = None
@@ -420,7 +494,9 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
         input_ids = micro.batch["input_ids"]
         rows, length = input_ids.shape
         with autocast(self.device, self.autocast_dtype):
-            hidden = model.base_model(**micro.model_inputs, use_cache=False).last_hidden_state
+            hidden = model.base_model(
+                **self._model_call_inputs(micro, model), use_cache=False
+            ).last_hidden_state
         hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, micro.hidden_index)
         compute_dtype = self.autocast_dtype or torch.float32
         logprobs, token_entropy_ = head_logprobs(
@@ -441,11 +517,14 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
         self, micro: Micro, *, entropy: str, model: torch.nn.Module
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         with autocast(self.device, self.autocast_dtype):
-            logits = model(
-                input_ids=micro.batch["input_ids"],
-                attention_mask=micro.batch["attention_mask"],
-                use_cache=False,
-            ).logits
+            if self.is_vlm:
+                inputs = self._model_call_inputs(micro, model)
+            else:
+                inputs = {
+                    "input_ids": micro.batch["input_ids"],
+                    "attention_mask": micro.batch["attention_mask"],
+                }
+            logits = model(**inputs, use_cache=False).logits
         logprobs, scaled = sequence_logprobs(logits, micro.batch["input_ids"], self.temperature)
         if entropy == "none":
             return logprobs, None
@@ -648,7 +727,10 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
             )
         try:
             # from_pretrained resolves shards and tied weights the way save_pretrained wrote them.
-            loaded = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+            if self.is_vlm:
+                loaded = load_policy_model(directory, dtype=torch.float32, device="cpu")
+            else:
+                loaded = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
             self.model.load_state_dict(loaded.state_dict(), strict=True)
         except Exception as exc:
             raise CheckpointError(
