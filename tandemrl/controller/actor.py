@@ -1,7 +1,7 @@
 """The SingleController as a Ray actor: a thin wrapper that builds and runs the plain class.
 
 The driver creates the heavy workers (generation engines, policy trainer) and hands their
-handles here; this actor builds the light, pure-state parts (buffer, sampler, data plane,
+handles here (for a sharded trainer, the ``ShardedTrainer`` over its ranks' handles); this actor builds the light, pure-state parts (buffer, sampler, data plane,
 dataloader, ledger) from the config in its own process, runs both pumps in its event loop,
 and lets the driver poll finished steps (``progress``) and what each pump waits on
 (``status``) while ``run`` is in progress. It reserves no CPU: it mostly waits.
@@ -42,6 +42,7 @@ from tandemrl.envs import create_environment
 from tandemrl.metrics.logger import MetricsLogger
 from tandemrl.models import load_tokenizer, resolve_tokenizer_path, special_tokens
 from tandemrl.rollout.generation_pool import GenerationPool
+from tandemrl.training.trainer_group import ShardedTrainer
 
 
 def run_text_codec(cfg: MasterConfig, model_path: str) -> TextCodec:
@@ -68,6 +69,12 @@ def run_text_codec(cfg: MasterConfig, model_path: str) -> TextCodec:
         ),
         pad_token_id=special_tokens.pad_token_id(tokenizer, model_path),
     )
+
+
+def as_trainer(handle: Any) -> Any:
+    """What the controller calls: a sharded trainer fans out to its ranks itself; one
+    worker's actor handle is wrapped so that its methods are awaited like local ones."""
+    return handle if isinstance(handle, ShardedTrainer) else ActorProxy(handle)
 
 
 def make_weight_sync(
@@ -115,7 +122,7 @@ class SingleControllerActor:
     def _build(self, metrics: MetricsLogger) -> SingleController:
         engines = [ActorProxy(handle) for handle in self.engine_handles]
         parts = ControllerParts(
-            trainer=ActorProxy(self.trainer_handle),
+            trainer=as_trainer(self.trainer_handle),
             engines=engines,
             env=create_environment(self.cfg.env),
             codec=run_text_codec(self.cfg, self.model_path),
@@ -127,7 +134,7 @@ class SingleControllerActor:
             ),
             value_trainer=None
             if self.value_trainer_handle is None
-            else ActorProxy(self.value_trainer_handle),
+            else as_trainer(self.value_trainer_handle),
             coalesce_generate_calls=True,
             metrics_sink=metrics,
         )
