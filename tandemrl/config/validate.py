@@ -200,11 +200,6 @@ class _Checker:
                 f"policy.compile_layers: true is not supported {where} (FSDP2 wraps each "
                 "layer itself); set it to false, or data_parallel_size: 1"
             )
-        if policy.offload_optimizer_for_logprob:
-            self.error(
-                f"policy.offload_optimizer_for_logprob: true is not supported {where} (the "
-                "optimizer state is sharded); set it to false, or data_parallel_size: 1"
-            )
 
     def check_actor_resources(self) -> None:
         roles = self.cfg.cluster.actor_resources.model_dump()

@@ -134,6 +134,8 @@ class ShardedPolicyWorker(PolicyWorker):
     def _get_logprobs(self, batch: TrainBatch | None) -> torch.Tensor | None:  # type: ignore[override]
         if batch is not None:
             return super()._get_logprobs(batch)
+        if self.cfg.offload_optimizer_for_logprob:
+            self._offload.offload()  # as the ranks with rows do (each moves its own shards)
         passes = self.replicas.max_int(0)
         with torch.no_grad():
             self._idle_passes(passes, train=False)
@@ -148,6 +150,12 @@ class ShardedPolicyWorker(PolicyWorker):
         self.model.train()
         self._idle_passes(self.replicas.max_int(0), train=True)
         return StepTracker().summary()
+
+    def _offload_optimizer(self) -> None:
+        self._offload.offload()
+
+    def _reload_optimizer(self) -> None:
+        self._offload.reload()
 
     # ------------------------------------------------------------------ weights
 

@@ -370,6 +370,12 @@ class ShardedTrainer:
     async def save_final_model(self, directory: str) -> str:
         return str((await self._all("_save_final_model", Path(directory)))[0])
 
+    async def offload_optimizer(self) -> None:
+        await self._all("_offload_optimizer")
+
+    async def reload_optimizer(self) -> None:
+        await self._all("_reload_optimizer")
+
     async def get_state(self) -> dict[str, Any]:
         return dict((await self._all("state"))[0])
 

@@ -157,6 +157,7 @@ class OptimizerOffload:
         self.transitions: list[str] = []
 
     def _move(self, target: torch.device) -> None:
+        # Sharded parameters' states are DTensors: ``.to`` moves each rank's own shard.
         for state in self.optimizer.state.values():
             for key, value in state.items():
                 # AdamW keeps "step" on CPU unless fused/capturable: leave it where it is.
