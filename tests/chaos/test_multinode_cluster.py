@@ -114,19 +114,20 @@ class TwoNodeCluster:
                 [str(RAY), *args], env=self.env, stdout=log, stderr=subprocess.STDOUT, check=True
             )
 
-    def _start_node(self, *args: str) -> None:
-        """``ray start``, tried again on a loaded machine: a raylet ends itself when its agent
-        processes take more than its fixed wait (about 15 s) to start."""
+    def start(self) -> None:
+        """Both nodes; tried again from scratch on a loaded machine, where a raylet ends itself
+        when its agent processes take longer than its fixed wait (about 15 s) to start."""
         for attempt in range(3):
             try:
-                self._ray("start", *args)
+                self._start_both()
                 return
             except subprocess.CalledProcessError:
+                self.stop()
                 if attempt == 2:
                     raise
-                time.sleep(2.0)
+                self.address = f"{self.address.rsplit(':', 1)[0]}:{free_port()}"
 
-    def start(self) -> None:
+    def _start_both(self) -> None:
         # Every port chosen free here: other Ray instances may run on this machine.
         def common() -> list[str]:
             return [
@@ -136,7 +137,8 @@ class TwoNodeCluster:
                 f"--dashboard-agent-listen-port={free_port()}",
             ]
 
-        self._start_node(
+        self._ray(
+            "start",
             "--head",
             f"--port={self.address.split(':')[1]}",
             f"--ray-client-server-port={free_port()}",
@@ -146,7 +148,8 @@ class TwoNodeCluster:
             '--resources={"node_a": 100, "trainer_slot": 1}',
             *common(),
         )
-        self._start_node(
+        self._ray(
+            "start",
             f"--address={self.address}",
             '--resources={"node_b": 100, "trainer_slot": 1}',
             *common(),
