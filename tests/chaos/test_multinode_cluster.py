@@ -31,11 +31,13 @@ from pathlib import Path
 import pytest
 from chaos_harness import CONFIG, MARKER_ENV, REPO, RunShape, audit
 
+from tandemrl.checkpoint.inspect import describe_checkpoint_dir, render_text
+
 pytestmark = pytest.mark.chaos
 
 RAY = Path(sys.executable).parent / "ray"
 SHAPE = RunShape(num_prompts=16, epochs=1, prompts_per_step=4, generations_per_prompt=4)
-ATTEMPT_TIMEOUT_S = 300.0
+ATTEMPT_TIMEOUT_S = 420.0
 
 
 def free_port() -> int:
@@ -223,10 +225,11 @@ def test_a_two_node_run_killed_and_restarted_on_the_same_cluster(tmp_path: Path)
         cluster.start()
         checkpoint_dir = tmp_path / "ckpt"
         first = run_attempt(cluster, tmp_path, 0)
+        first_started = time.monotonic()
         # The kill: mid-generation, once step 1's trainer checkpoint is published.
         published = checkpoint_dir / "step_1" / "manifest.json"
         while first.poll() is None and not published.exists():
-            if time.monotonic() - started > ATTEMPT_TIMEOUT_S:
+            if time.monotonic() - first_started > ATTEMPT_TIMEOUT_S:
                 break
             time.sleep(0.01)
         assert published.exists(), f"no checkpoint in time:\n{tail(tmp_path / 'attempt_0.log')}"
@@ -273,5 +276,11 @@ def test_a_two_node_run_killed_and_restarted_on_the_same_cluster(tmp_path: Path)
             ).read_text()
         )
         assert (state["layout"], state["data_parallel_size"]) == ("dcp", 2)
+        # tandemrl inspect shows the sharded layout of the checkpoint a restart would use
+        info = describe_checkpoint_dir(checkpoint_dir)
+        policy = info["models"]["policy"]
+        assert (policy["layout"], policy["data_parallel_size"], policy["missing"]) == ("dcp", 2, [])
+        assert policy["shard_files"] == ["__0_0.distcp", "__1_0.distcp"]
+        assert "sharded at 2 rank(s)" in render_text(info)
     finally:
         cluster.stop()
