@@ -99,8 +99,9 @@ class TwoNodeCluster:
             "RAY_AUTH_MODE": "disabled",
             "TOKENIZERS_PARALLELISM": "false",
             # A node's agents may take long to start on a loaded machine; the raylet's default
-            # wait for them ends the node.
+            # wait for them (about 15 s) ends the node.
             "RAY_agent_register_timeout_ms": "180000",
+            "RAY_raylet_start_wait_time_s": "120",
             MARKER_ENV: self.marker,
         }
         self.temp_dir = Path(f"/tmp/trl_mn_{self.marker[:8]}")  # short: socket paths
