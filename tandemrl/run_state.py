@@ -32,7 +32,7 @@ from tandemrl.buffer import ReplayBuffer
 from tandemrl.data.dataloader import PromptDataLoader
 from tandemrl.records import PromptItem
 from tandemrl.rollout.failures import FailureBudgets
-from tandemrl.rollout.ledger import OwnershipLedger, UnfinishedGroup
+from tandemrl.rollout.ledger import OwnershipLedger, UnfinishedGroup, resolve_granularity
 from tandemrl.samplers.base import PromptGroupSampler
 
 
@@ -89,6 +89,16 @@ class RolloutState:
 
 def group_sample_ids(group: dict[str, Any]) -> list[str]:
     return [meta["sample_id"] for meta in group["rows_meta"]]
+
+
+@dataclass
+class DroppedRollouts:
+    """What ``RunState.drop_restored_rollouts`` turned into groups to generate again."""
+
+    committed: list[str]  # committed groups, now unfinished with nothing staged
+    unfinished: list[str]  # unfinished groups whose staged siblings were discarded
+    discarded_siblings: int
+    sample_ids: list[str]  # rows of the committed groups, for the caller to clear
 
 
 @dataclass
@@ -154,6 +164,57 @@ class RunState:
         self.recovered_groups = list(unfinished)
         self.replacement_reserve = [PromptItem(**item) for item in state.replacement_reserve]
         return restored
+
+    def drop_restored_rollouts(self) -> DroppedRollouts:
+        """Right after a restore (``on_config_change: drop_rollouts``): every restored group
+        is generated again, none lost, none trained twice.
+
+        A committed group leaves the buffer (the caller clears its rows) and becomes an
+        unfinished group with nothing staged; an unfinished group discards its staged
+        siblings. Each keeps its admission — group id, ``target_step`` (in_order: the step it
+        was admitted for) — and the dataloader and sampler positions stay where they are: the
+        groups are *redispatched* as recovered groups (``readmit``: no gate, no count), not
+        drawn again. Drawing them again would count their admissions twice and stamp them
+        for later steps, leaving the steps they were admitted for short. Earlier target
+        steps go first, so the step the trainer waits for is never queued behind later ones.
+        """
+        version = self.controller.trainer_version
+        committed = sorted(self.buffer.ready_groups(), key=lambda slot: slot.dispatch_index)
+        regenerated: list[UnfinishedGroup] = []
+        sample_ids: list[str] = []
+        for slot in committed:
+            # A group restored from a replay index has no prompt: draw it again by its id.
+            item = slot.item if slot.item is not None else self.dataloader.item_for(slot.group_id)
+            self.buffer.remove(slot.group_id)
+            sample_ids.extend(slot.sample_ids)
+            group = UnfinishedGroup(
+                item,
+                slot.group_id,
+                slot.target_step,
+                version,
+                resolve_granularity(item, self.ledger.cfg),
+                recovered=True,
+            )
+            self.ledger.adopt(group)
+            regenerated.append(group)
+        discarded = 0
+        for group in self.recovered_groups:
+            discarded += len(group.staged)
+            group.discard_staged()
+        unfinished = [group.group_id for group in self.recovered_groups]
+        groups = [*regenerated, *self.recovered_groups]
+        groups.sort(key=lambda group: (group.target_step is None, group.target_step or 0))
+        for group in groups:  # the ledger in the same order: a snapshot keeps it
+            self.ledger.close(group.group_id)
+        for group in groups:
+            self.ledger.adopt(group)
+        self.recovered_groups = groups
+        return DroppedRollouts(
+            committed=[group.group_id for group in regenerated],
+            unfinished=unfinished,
+            discarded_siblings=discarded,
+            sample_ids=sample_ids,
+        )
 
     def committed_prompts(self) -> list[PromptItem]:
         """Prompts of the committed, unconsumed groups (in buffer order)."""

@@ -14,7 +14,9 @@ replays the records written after the bundle it restores:
   see is always durable;
 - ``dropped`` / ``promoted`` / ``reserve``: a group left without training, a ready group
   moved to an earlier step, spare prompts drawn (each with the cursor after it);
-- ``open``: an attempt started; ``parent`` is the last record its state contains.
+- ``open``: an attempt started; ``parent`` is the last record its state contains, and
+  ``fingerprint``/``identity`` the config identity it runs under (what a later restart
+  compares its config with: the groups it commits were generated under that config).
 
 Every record has a log sequence number (LSN). A bundle records the next LSN at its capture
 (``RolloutState.commit_log_next_lsn``): its state holds exactly the records below it, because
@@ -183,9 +185,21 @@ def read_log(directory: Path) -> LogContents:
 
 def branch_records(records: list[dict[str, Any]], from_lsn: int) -> list[dict[str, Any]]:
     """The records a bundle captured at ``from_lsn`` must replay (module docstring)."""
+    return _branch(records, from_lsn)[0]
+
+
+def branch_opens(records: list[dict[str, Any]], from_lsn: int) -> list[dict[str, Any]]:
+    """The ``open`` records of the later attempts whose records that replay follows (each
+    names the config identity its attempt ran under, when it was written with one)."""
+    return _branch(records, from_lsn)[1]
+
+
+def _branch(
+    records: list[dict[str, Any]], from_lsn: int
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     tip = from_lsn - 1
     following = True
-    chosen = []
+    chosen, opens = [], []
     for record in records:
         if record["lsn"] < from_lsn:
             continue
@@ -193,11 +207,12 @@ def branch_records(records: list[dict[str, Any]], from_lsn: int) -> list[dict[st
             following = record.get("parent") == tip
             if following:
                 tip = record["lsn"]
+                opens.append(record)
             continue
         if following:
             chosen.append(record)
             tip = record["lsn"]
-    return chosen
+    return chosen, opens
 
 
 # ---------------------------------------------------------------------------- replay fold

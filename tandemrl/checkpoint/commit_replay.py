@@ -69,8 +69,10 @@ class CommitLogEvents:
     """The commit log's side of the ownership events; then the journal's, when there is one.
 
     ``records_reserve``: the cursor carries the replacement reserve (on_dropped_prompt:
-    replace). The journal's ``staged`` is called once the log record is written (on the log's
-    writer thread), so a restart keeps every sibling the journal says finished.
+    replace). The journal's ``staged`` and ``generated`` lines are written once the log record
+    is written (on the log's writer thread), so a restart keeps every sibling and every
+    committed group the journal says finished, and the journal names every commit a restart
+    replays.
     """
 
     def __init__(
@@ -149,11 +151,19 @@ class CommitLogEvents:
             dispatch_index=slot.dispatch_index,
             end_weight=end_weight,
         )
-        await self.log.append_durable("committed", group_id=group.group_id, group=entry)
-        if self.journal is not None:
-            await self.journal.committed(
-                group, slot, end_weight=end_weight, fresh_siblings=fresh_siblings
-            )
+        journal = self.journal
+        after_write = None
+        if journal is not None:
+            group_id = group.group_id
+
+            def after_write() -> None:
+                # Once the record is written (a process kill no longer loses it), as for
+                # ``staged``: the journal's ``generated`` line then never misses a commit
+                # that a restart replays from the log.
+                journal.generated(group_id, fresh_siblings)
+
+        lsn = self.log.append_then("committed", after_write, group_id=group.group_id, group=entry)
+        await self.log.wait_durable(lsn + 1)
 
     def dropped(self, group: UnfinishedGroup) -> None:
         self.log.append(

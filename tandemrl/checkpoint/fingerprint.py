@@ -1,22 +1,31 @@
-"""The rollout-compatibility fingerprint of a config: fail-closed, with dotpath diffs.
+"""The rollout-compatibility identity of a config: fail-closed, with dotpath diffs.
 
-Every config value is part of the identity unless a denylist entry says it is *operational*
-(cannot change prompts, generation, rewards, lineage or the meaning of persisted rollouts):
-logging, cluster placement, checkpoint location and cadence, run-length bounds, runtime
-knobs of the data-plane transport, and anything that looks like a credential. A key added by a
-future block is therefore part of the identity by default: a change to it refuses bootstrap
-recovery instead of silently mixing incompatible rollouts.
+Every config value is part of the identity unless ``BUILTIN_EXCLUDED_PATHS`` says it is
+*operational*: it cannot change prompts, generation, rewards, lineage or the meaning of
+persisted rollouts (logging, cluster placement, checkpoint location and cadence, run-length
+bounds, runtime knobs of the transports and engines, and anything that looks like a
+credential). ``ROLLOUT_SEMANTIC_PATHS`` names, next to it, everything else the schema holds.
+The identity itself never reads that second list — a key in neither list is part of the
+identity, so a block added later is safe by default — but
+``tests/unit/test_fingerprint_classification.py`` walks the whole schema and fails on a key
+in neither list, in both, or on an entry that matches no key: whoever adds a config key
+decides, here, which list it belongs to.
 
 ``rollout_checkpointing.extra_fingerprint_excluded_paths`` adds dotpath patterns: ``*`` matches
 one mapping key or list index, ``**`` any number of levels. The identity stored in a manifest
 has credential-like values redacted, so a refused restart can list each changed dotpath with
 its old and new value without leaking secrets.
+
+A stored identity is compared with ``identity_changes``, after the *current* exclusions are
+taken out of it: a checkpoint written before a key was listed as operational (or before a
+restart added an extra exclusion) still restores when only that key differs.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from typing import Any
 
 from tandemrl.config.models import MasterConfig
@@ -25,13 +34,17 @@ from tandemrl.config.redact import REDACTED, redact_value
 __all__ = [
     "BUILTIN_EXCLUDED_PATHS",
     "REDACTED",
+    "ROLLOUT_SEMANTIC_PATHS",
     "compatibility_identity",
     "diff_identities",
+    "excluded_patterns",
     "fingerprint_digest",
+    "identity_changes",
     "is_excluded",
 ]
 
-# Operational dotpaths: they do not affect what a rollout is or how it is interpreted.
+# Operational dotpaths: they do not affect what a rollout is or how it is interpreted. A
+# restart with only these changed resumes silently.
 BUILTIN_EXCLUDED_PATHS: tuple[str, ...] = (
     "logger.**",
     "cluster.**",
@@ -49,12 +62,122 @@ BUILTIN_EXCLUDED_PATHS: tuple[str, ...] = (
     "policy.dtensor_cfg.data_parallel_size",
     "policy.dtensor_cfg.timeout_s",
     "async_rl.stall_watchdog.**",
+    "async_rl.rollout_failure.backoff_initial_s",
+    "async_rl.rollout_failure.backoff_max_s",
+    # run-length bounds
     "grpo.max_num_steps",
     "ppo.max_num_steps",
-    "policy.generation.num_workers",
+    "grpo.max_num_epochs",
+    "ppo.max_num_epochs",
+    # placement and engine/trainer performance knobs: the same rollouts, made elsewhere or
+    # faster
     "policy.device",
-    "policy.generation.colocated.mps",
+    "policy.generation.num_workers",
+    "policy.generation.max_batch_size",
+    "policy.generation.colocated.**",
+    "policy.generation.weight_sync",
+    "policy.generation.weight_sync_timeout_s",
+    "policy.generation.fake_latency",
+    "policy.generation.torch.cuda_graphs",
+    "policy.generation.torch.compile",
+    "policy.generation.torch.kv_cache_memory_fraction",
+    "policy.generation.torch.admission_batch",
+    "policy.generation.torch.steps_per_launch",
+    "policy.generation.vllm_cfg.async_engine",
+    "policy.generation.vllm_cfg.enforce_eager",
+    "policy.generation.vllm_cfg.gpu_memory_utilization",
+    "policy.train_micro_batch_size",
+    "policy.train_micro_batch_tokens",
+    "policy.sequence_packing",
+    "policy.compile_layers",
+    "policy.offload_optimizer_for_logprob",
+    "policy.dtensor_cfg.activation_checkpointing",
+    "value.train_micro_batch_size",
     "env.python_path",  # where env.target is imported from, not what it computes
+)
+
+# Everything else: what a prompt is, how it is generated and scored, and what the trainer
+# does with a rollout. A change to one of these follows rollout_checkpointing.on_config_change
+# at a restart. (Not read at run time: the identity is everything not operational.)
+ROLLOUT_SEMANTIC_PATHS: tuple[str, ...] = (
+    "policy.model_name",
+    "policy.tokenizer.**",
+    "policy.train_global_batch_size",
+    "policy.max_total_sequence_length",
+    "policy.precision",
+    "policy.max_grad_norm",
+    "policy.dtensor_cfg.enabled",
+    "policy.megatron_cfg.**",
+    "policy.optimizer.**",
+    "policy.scheduler.**",
+    "policy.generation.backend",
+    "policy.generation.temperature",
+    "policy.generation.top_p",
+    "policy.generation.max_new_tokens",
+    "policy.generation.stop_token_ids",
+    "policy.generation.stop_strings",
+    "policy.generation.torch.max_seq_len",
+    "policy.generation.vllm_cfg.max_model_len",
+    # grpo / ppo: the algorithm (both blocks share AlgorithmCommon's keys)
+    "grpo.num_prompts_per_step",
+    "grpo.num_generations_per_prompt",
+    "grpo.seed",
+    "grpo.val_period",
+    "grpo.val_at_start",
+    "grpo.val_at_end",
+    "grpo.reward_shaping",
+    "grpo.reward_scaling",
+    "grpo.use_dynamic_sampling",
+    "grpo.overlong_filtering",
+    "grpo.normalize_rewards",
+    "grpo.use_leave_one_out_baseline",
+    "grpo.async_grpo",
+    "ppo.num_prompts_per_step",
+    "ppo.num_generations_per_prompt",
+    "ppo.seed",
+    "ppo.val_period",
+    "ppo.val_at_start",
+    "ppo.val_at_end",
+    "ppo.reward_shaping",
+    "ppo.reward_scaling",
+    "ppo.use_dynamic_sampling",
+    "ppo.overlong_filtering",
+    "ppo.ppo_epochs",
+    "ppo.critic_ppo_epochs",
+    "ppo.policy_training_start_step",
+    "ppo.warm_start_value_checkpoint",
+    "ppo.adv_estimator.**",
+    "ppo.async_ppo",
+    "value.model_name",
+    "value.train_global_batch_size",
+    "value.max_grad_norm",
+    "value.optimizer.**",
+    "value_loss_fn.**",
+    "loss_fn.**",
+    "async_rl.sampler.**",
+    "async_rl.min_groups_for_streaming_train",
+    "async_rl.max_buffered_rollouts",
+    "async_rl.max_inflight_prompts",
+    "async_rl.recompute_kv_cache_after_weight_updates",
+    "async_rl.rollout_failure.max_infra_retries",
+    "async_rl.rollout_failure.max_data_retries",
+    "async_rl.rollout_failure.max_skipped_prompts",
+    "async_rl.rollout_failure.max_consecutive_dropped_prompts",
+    "async_rl.rollout_failure.on_dropped_prompt",
+    "async_rl.rollout_failure.min_step_batch_fraction",
+    "async_rl.rollout_failure.replacement_reserve_size",
+    "async_rl.rollout_failure.generation_timeout_s",
+    "async_rl.rollout_failure.rollout_timeout_s",
+    "data_plane.enabled",
+    "data_plane.backend",
+    "checkpointing.enabled",
+    "checkpointing.save_data_plane",
+    "token_capture.**",
+    "rollout_recovery.**",
+    "data.**",
+    "env.name",
+    "env.target",
+    "env.kwargs",
 )
 
 
@@ -97,6 +220,11 @@ def _flatten(value: Any, prefix: list[str], out: dict[str, Any], patterns: list[
         out[".".join(prefix)] = value
 
 
+def excluded_patterns(cfg: MasterConfig) -> list[str]:
+    """The built-in operational dotpaths plus the config's extra exclusions."""
+    return [*BUILTIN_EXCLUDED_PATHS, *cfg.rollout_checkpointing.extra_fingerprint_excluded_paths]
+
+
 def compatibility_identity(
     cfg: MasterConfig, extra_excluded: list[str] | None = None
 ) -> dict[str, Any]:
@@ -126,3 +254,15 @@ def diff_identities(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
                 f"{path}: {json.dumps(before, default=str)} -> {json.dumps(after, default=str)}"
             )
     return lines
+
+
+def identity_changes(
+    stored: dict[str, Any], current: dict[str, Any], excluded: Iterable[str]
+) -> list[str]:
+    """``diff_identities`` of a stored identity against the current one, after the current
+    exclusions (``excluded_patterns``) are taken out of the stored one too."""
+    patterns = [_segments(pattern) for pattern in excluded]
+    kept = {
+        path: value for path, value in stored.items() if not is_excluded(path.split("."), patterns)
+    }
+    return diff_identities(kept, current)

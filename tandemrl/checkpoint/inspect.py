@@ -8,8 +8,12 @@ bundle is skipped (damaged — with the reason —, older, or written under a di
 with the changed dotpaths), and what the commit log adds on top of the chosen bundle (records,
 groups it restores or reopens, torn tails ignored), and how each model folder of the chosen
 trainer checkpoint is laid out (one process's files, or a sharded trainer's DCP shards: at how
-many ranks, which files, any missing). Without a config the restore mode is taken as ``latest`` and no
-fingerprint is checked; the result says so. ``inspect_command`` prints it as text or JSON.
+many ranks, which files, any missing). With a config, it also compares the
+config identities the chosen rollout state was generated under with the given config's,
+lists every changed dotpath, and says what a restart does under the configured
+``rollout_checkpointing.on_config_change`` and under each of the others. Without a config the
+restore mode is taken as ``latest`` and no fingerprint is checked; the result says so.
+``inspect_command`` prints it as text or JSON.
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ from typing import Any
 
 from tandemrl.checkpoint.commit_log import branch_records, fold, list_segments, read_log
 from tandemrl.checkpoint.commit_replay import commit_log_dir
-from tandemrl.checkpoint.fingerprint import compatibility_identity
 from tandemrl.checkpoint.layout import (
     JOURNAL,
     MANIFEST,
@@ -33,7 +36,15 @@ from tandemrl.checkpoint.layout import (
     list_step_dirs,
     read_manifest,
 )
-from tandemrl.checkpoint.restore import RestorePlan, RestoreRefused, plan_restore_dir
+from tandemrl.checkpoint.restore import (
+    ON_CONFIG_CHANGE,
+    UNRESUMABLE_CHANGES,
+    CurrentConfig,
+    RestorePlan,
+    RestoreRefused,
+    config_change_refusal,
+    plan_restore_dir,
+)
 from tandemrl.checkpoint.rollout_state import read_rollout_state, unfinished_groups
 from tandemrl.config.models import MasterConfig
 from tandemrl.dataplane.atomic import is_temporary_name
@@ -178,10 +189,10 @@ def describe_checkpoint_dir(path: str | Path, cfg: MasterConfig | None = None) -
     checkpoint_dir = Path(path)
     if cfg is not None:
         restore_mode = cfg.rollout_checkpointing.restore_mode
-        identity: dict[str, Any] | None = compatibility_identity(cfg)
+        current: CurrentConfig | None = CurrentConfig.of(cfg)
         notes = [f"restore_mode {restore_mode} and fingerprint taken from the given config"]
     else:
-        restore_mode, identity = "latest", None
+        restore_mode, current = "latest", None
         notes = [
             "no --config given: restore_mode assumed 'latest' and the config fingerprint was "
             "not checked (a restart with a changed config may refuse or skip snapshots)"
@@ -190,7 +201,7 @@ def describe_checkpoint_dir(path: str | Path, cfg: MasterConfig | None = None) -
         "checkpoint_dir": str(checkpoint_dir),
         "exists": checkpoint_dir.is_dir(),
         "restore_mode": restore_mode,
-        "fingerprint_checked": identity is not None,
+        "fingerprint_checked": current is not None,
         "notes": notes,
         "outcome": "fresh",
         "refused": None,
@@ -205,9 +216,10 @@ def describe_checkpoint_dir(path: str | Path, cfg: MasterConfig | None = None) -
         "resume": None,
         "commit_log": None,
         "models": {},
+        "config_change": None,
     }
     try:
-        plan = plan_restore_dir(checkpoint_dir, restore_mode=restore_mode, identity=identity)
+        plan = plan_restore_dir(checkpoint_dir, restore_mode=restore_mode, current=current)
     except RestoreRefused as exc:
         result.update(outcome="refused", refused=str(exc))
         return result
@@ -236,7 +248,52 @@ def describe_checkpoint_dir(path: str | Path, cfg: MasterConfig | None = None) -
     except CheckpointCorrupt as exc:
         # Digests matched but the content does not parse: a restart fails here too.
         result.update(outcome="error", error=str(exc))
+        return result
+    change = plan.config_change
+    if change is not None:
+        result["config_change"] = {
+            "policy": change.policy,
+            "sources": [{"where": where, "changes": lines} for where, lines in change.sources],
+            "outcomes": _outcomes(plan, result),
+        }
+        refusal = config_change_refusal(plan)
+        if refusal is not None:
+            result.update(outcome="refused", refused=refusal)
     return result
+
+
+def _outcomes(plan: RestorePlan, info: dict[str, Any]) -> dict[str, str]:
+    """What a restart with a changed config does under each on_config_change policy."""
+    resume = info["resume"]
+    log_info = info["commit_log"] or {}
+    committed = len(resume["committed_groups"]) + len(log_info.get("committed_groups", []))
+    unfinished = len(resume["unfinished_groups"]) + len(log_info.get("reopened_groups", []))
+    staged = sum(len(group["staged_siblings"]) for group in resume["unfinished_groups"])
+    outcomes = {
+        "refuse": "starts nothing and modifies nothing (tandemrl train exits with code 2)",
+        "drop_rollouts": (
+            f"resumes the model and optimizer of step {plan.step} and the dataloader and "
+            f"sampler position; generates the {committed} committed and {unfinished} "
+            f"unfinished group(s) again, for the same target steps ({staged} staged "
+            "sibling(s) of the bundle discarded)"
+        ),
+        "keep": (
+            f"resumes everything and trains the {committed} committed group(s) and the "
+            f"staged siblings of the {unfinished} unfinished group(s) as they were generated, "
+            "under the previous config"
+        ),
+    }
+    assert set(outcomes) == set(ON_CONFIG_CHANGE)
+    change = plan.config_change
+    assert change is not None
+    unresumable = [line for line in change.changes if line.split(":")[0] in UNRESUMABLE_CHANGES]
+    if unresumable:
+        for policy in ("drop_rollouts", "keep"):
+            outcomes[policy] = (
+                f"starts nothing either: {'; '.join(unresumable)} cannot be resumed under any "
+                "policy"
+            )
+    return outcomes
 
 
 # ---------------------------------------------------------------------------- rendering
@@ -245,17 +302,30 @@ def describe_checkpoint_dir(path: str | Path, cfg: MasterConfig | None = None) -
 def render_text(info: dict[str, Any]) -> str:
     lines = [f"checkpoint dir: {info['checkpoint_dir']}  (restore_mode {info['restore_mode']})"]
     lines.extend(f"note: {note}" for note in info["notes"])
+    change = info.get("config_change")
     if info["outcome"] == "refused":
         lines.append(f"REFUSED: a restart would not start:\n  {info['refused']}")
-    elif info["outcome"] == "fresh":
+    if info["outcome"] == "fresh":
         lines.append("resume: none (fresh start)")
-    else:
+    elif info["outcome"] != "refused" or change is not None:
         source = info["rollout_state"]
         lines.append(
-            f"resume: after step {info['step']}, trainer_version {info['trainer_version']}; "
+            ("otherwise it would " if info["outcome"] == "refused" else "")
+            + f"resume: after step {info['step']}, trainer_version {info['trainer_version']}; "
             f"model from {info['trainer_checkpoint'] or 'the initial model (bootstrap)'}; "
             f"rollout state from {source}"
         )
+    if change is not None:
+        lines.append("config changed since the rollout state was generated:")
+        for source in change["sources"]:
+            lines.extend(f"  {line}  (since {source['where']})" for line in source["changes"])
+        lines.append(
+            f"rollout_checkpointing.on_config_change={change['policy']}: a restart "
+            f"{change['outcomes'][change['policy']]}"
+        )
+        for policy, outcome in change["outcomes"].items():
+            if policy != change["policy"]:
+                lines.append(f"  with on_config_change={policy} it {outcome}")
     if info["error"]:
         lines.append(f"ERROR: the chosen rollout state cannot be read:\n  {info['error']}")
     for folder, layout in info.get("models", {}).items():

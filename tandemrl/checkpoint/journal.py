@@ -18,7 +18,10 @@ the rest. Behind the commit log it is called by it (``CommitLogEvents``), so tha
 ``lineage`` replays the journal into what the final model was actually trained on: a
 ``start`` that resumed after step N voids every ``trained`` event after step N of the earlier
 attempts. The chaos tests prove exactly-once training from it, and that no finished group or
-sibling was generated again (``finished_again``).
+sibling was generated again (``finished_again``). Each ``start`` also records the attempt's
+config fingerprint and what a config change did (``config_change``), so the lineage can say,
+for every trained group, under which attempt's config it was generated
+(``trained_under_another_config``).
 """
 
 from __future__ import annotations
@@ -62,7 +65,11 @@ class RunJournal:
     async def committed(
         self, group: UnfinishedGroup, slot: Slot, *, end_weight: int, fresh_siblings: list[int]
     ) -> None:
-        self.record("generated", group_id=group.group_id, fresh_siblings=fresh_siblings)
+        self.generated(group.group_id, fresh_siblings)
+
+    def generated(self, group_id: str, fresh_siblings: list[int]) -> None:
+        # May run on the commit log's writer thread (``record`` takes the lock).
+        self.record("generated", group_id=group_id, fresh_siblings=fresh_siblings)
 
     def dropped(self, group: UnfinishedGroup) -> None:
         pass
@@ -112,6 +119,22 @@ class Lineage:
     regenerated_after_restore: list[str] = field(default_factory=list)
     # (group_id, sibling) -> the attempts in which it finished (``staged`` events)
     finished_in: dict[tuple[str, int], set[str]] = field(default_factory=dict)
+    # step -> group -> (attempt that trained it, attempt whose commit it was trained from;
+    # None: no commit of it in the journal), for the steps of the final lineage
+    trained_from: dict[int, dict[str, tuple[str, str | None]]] = field(default_factory=dict)
+    fingerprints: dict[str, str | None] = field(default_factory=dict)  # attempt -> its config
+
+    def trained_under_another_config(self) -> list[tuple[int, str, str, str | None]]:
+        """(step, group, trainer attempt, generator attempt) of each group the final model was
+        trained on that was generated under another config than the attempt that trained it
+        (generator None: no commit of it in the journal, it came from a restore)."""
+        found = []
+        for step in sorted(self.trained_from):
+            for group, (trainer, generator) in self.trained_from[step].items():
+                fingerprint = self.fingerprints.get(trainer)
+                if generator is None or self.fingerprints.get(generator) != fingerprint:
+                    found.append((step, group, trainer, generator))
+        return found
 
     def finished_again(self) -> list[tuple[str, int]]:
         """Siblings that finished in more than one attempt: work a restart repeated."""
@@ -125,6 +148,7 @@ def lineage(events: list[dict[str, Any]]) -> Lineage:
     result = Lineage()
     restored_committed: dict[str, set[str]] = {}
     restored_staged: dict[str, set[tuple[str, int]]] = {}
+    generated_by: dict[str, str] = {}  # group -> attempt of its latest commit
     for event in events:
         kind = event["event"]
         if kind == "start":
@@ -133,6 +157,10 @@ def lineage(events: list[dict[str, Any]]) -> Lineage:
             result.trained = {
                 step: groups for step, groups in result.trained.items() if step <= resumed
             }
+            result.trained_from = {
+                step: groups for step, groups in result.trained_from.items() if step <= resumed
+            }
+            result.fingerprints[event["attempt"]] = event.get("fingerprint")
             result.restores.append(event)
             restored_committed[event["attempt"]] = set(event.get("restored_committed", []))
             restored_staged[event["attempt"]] = {
@@ -140,12 +168,16 @@ def lineage(events: list[dict[str, Any]]) -> Lineage:
             }
         elif kind == "trained":
             result.trained[int(event["step"])] = list(event["groups"])
+            result.trained_from[int(event["step"])] = {
+                group: (event["attempt"], generated_by.get(group)) for group in event["groups"]
+            }
         elif kind == "staged":
             for sibling in event["siblings"]:
                 key = (event["group_id"], int(sibling))
                 result.finished_in.setdefault(key, set()).add(event["attempt"])
         elif kind == "generated":
             attempt, group = event["attempt"], event["group_id"]
+            generated_by[group] = attempt
             for sibling in event["fresh_siblings"]:
                 result.fresh_generations.append((attempt, group, int(sibling)))
                 if group in restored_committed.get(attempt, set()) or (

@@ -416,6 +416,12 @@ class RolloutCheckpointingConfig(Strict):
     # Takes effect whenever checkpointing.enabled and save_data_plane are on and the sampler
     # keeps an authoritative replay index; it does nothing otherwise.
     commit_log: bool = True
+    # A restart whose rollout state was generated under another config (a changed value
+    # outside the operational list of checkpoint/fingerprint.py): "refuse" starts nothing and
+    # modifies nothing; "drop_rollouts" resumes the model, optimizer, dataloader and sampler
+    # position but generates the buffered and unfinished groups again; "keep" trains them as
+    # they are (docs/checkpointing.md#a-restart-with-a-changed-config).
+    on_config_change: Literal["refuse", "drop_rollouts", "keep"] = "refuse"
 
 
 class TokenCaptureConfig(Strict):

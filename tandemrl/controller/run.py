@@ -31,7 +31,12 @@ from typing import Any
 
 import torch
 
-from tandemrl.checkpoint.restore import RestorePlan, plan_restore
+from tandemrl.checkpoint.restore import (
+    RestorePlan,
+    RestoreRefused,
+    log_config_change,
+    plan_restore,
+)
 from tandemrl.config import MasterConfig, validate_single_controller_config
 from tandemrl.controller.mps import MpsUnavailable, start_if_useful
 from tandemrl.metrics.logger import previous_run_files
@@ -127,6 +132,19 @@ def check_run_can_start(cfg: MasterConfig, plan: RestorePlan, *, overwrite_logs:
         raise RunRefused(problems)
 
 
+def plan_run(cfg: MasterConfig) -> RestorePlan:
+    """What this start resumes, decided read-only before any process starts. A restart that
+    must not start — a config changed under ``on_config_change: refuse``, no trainer
+    checkpoint that verifies — raises ``RunRefused``; a config change it goes on with is
+    logged, every changed dotpath, before anything trains."""
+    try:
+        plan = plan_restore(cfg)
+    except RestoreRefused as refused:
+        raise RunRefused([str(refused)]) from refused
+    log_config_change(plan)
+    return plan
+
+
 def run_already_complete(cfg: MasterConfig, plan: RestorePlan) -> bool:
     return not plan.fresh and plan.step >= cfg.algorithm.max_num_steps
 
@@ -137,18 +155,13 @@ def run_training(cfg: MasterConfig, *, overwrite_logs: bool = False) -> int:
         # Embedded single-machine Ray: keep every socket (TransferQueue's included) on loopback.
         # Ray reads this when it is first imported, hence before the import below.
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    import ray
-
-    from tandemrl.controller.setup import launch
-
     logging.basicConfig(
         level=cfg.logger.level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     torch.set_num_threads(1)
     for warning in validate_single_controller_config(cfg):
         log.warning("%s", warning)
-    # Read-only: what a restart would resume, decided before any process starts.
-    plan = plan_restore(cfg)
+    plan = plan_run(cfg)
     if run_already_complete(cfg, plan):
         log.warning(
             "this run is already complete: %s holds step %d of %d (%s). To train further, raise "
@@ -162,6 +175,11 @@ def run_training(cfg: MasterConfig, *, overwrite_logs: bool = False) -> int:
         )
         return EXIT_OK
     check_run_can_start(cfg, plan, overwrite_logs=overwrite_logs)
+    # Imported once the run may start: a refusal answers before Ray's (slow) import.
+    import ray
+
+    from tandemrl.controller.setup import launch
+
     if cfg.checkpointing.enabled:
         log.info("%s", plan.describe())
     else:

@@ -18,6 +18,7 @@ dataset, seed or shuffle flag is refused.
 from __future__ import annotations
 
 import random
+import re
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict
@@ -27,6 +28,7 @@ from tandemrl.config.models import DataConfig
 from tandemrl.data.dataset import PromptRecord, dataset_fingerprint, load_prompt_records
 from tandemrl.records import PromptItem
 
+_PROMPT_ID = re.compile(r"e(\d+)-i(\d+)")
 STATE_KEYS = ("epoch", "position", "seed", "shuffle", "num_prompts", "fingerprint", "requeued")
 
 
@@ -128,6 +130,17 @@ class PromptDataLoader:
             record.agent_ref,
             {**record.metadata, "dataset_index": dataset_index},  # metadata
         )
+
+    def item_for(self, prompt_id: str) -> PromptItem:
+        """The prompt that was (or will be) drawn as ``prompt_id`` (``e{epoch}-i{index}``),
+        rebuilt from its record; the cursor does not move. ValueError for another id."""
+        match = _PROMPT_ID.fullmatch(prompt_id)
+        if match is None or int(match.group(2)) >= self.num_prompts:
+            raise ValueError(
+                f"prompt id {prompt_id!r} is not one of this dataloader's "
+                f"(e<epoch>-i<index>, index below {self.num_prompts})"
+            )
+        return self._item_at(int(match.group(1)), int(match.group(2)))
 
     def peek(self) -> PromptItem | None:
         """The prompt ``next_item`` would return, without consuming it."""

@@ -19,12 +19,26 @@ Kill points, detected from outside by polling the checkpoint directory and the r
 - ``snapshot_write``: a ``.snapshot_*.tmp-*`` folder exists under an anchor.
 - ``random``: a seeded delay (0-4 s) after the attempt's first committed group, or (one time
   in four) 2-45 s after the process started: a kill during start-up or restore.
+- ``with_buffered_groups``: this attempt trained a step and published its trainer
+  checkpoint, and at least two groups it committed wait untrained in the buffer.
 
 ``audit`` replays the journal (``tandemrl.checkpoint.journal.lineage``) into the proof.
+
+``run_config_change_case`` is the restart-with-a-changed-config case: a run is killed with
+committed groups waiting, then restarted with ``policy.generation.temperature`` changed under
+each ``rollout_checkpointing.on_config_change`` policy — ``refuse`` (the real ``tandemrl
+train``: exit 2, the changed dotpath named, the directory byte for byte unchanged),
+``drop_rollouts`` (killed again) and ``keep`` (to the end). Its attempts that train run
+``light_driver.py`` (the driver's own restart decision and the real controller, writer, log
+and journal over the fake engine and trainer, no Ray), forked by one ``--serve`` zygote that
+paid the imports once, so a start costs nothing but the run itself.
+``config_change_audit`` proves 0 lost, 0 duplicated, and that no group generated under an
+earlier config was trained after the change except those ``keep`` said it kept.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -44,6 +58,7 @@ from tandemrl.checkpoint.layout import JOURNAL
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "examples" / "configs" / "grpo_tiny_cpu_checkpointed.yaml"
+LIGHT_DRIVER = REPO / "tests" / "chaos" / "light_driver.py"
 MARKER_ENV = "TANDEMRL_CHAOS_RUN"
 POLL_S = 0.004
 # The run's process list is refreshed this often while waiting for a kill point, so the kill
@@ -57,6 +72,7 @@ KILL_POINTS = (
     "trainer_checkpoint_write",
     "snapshot_write",
     "random",
+    "with_buffered_groups",
 )
 
 
@@ -181,8 +197,89 @@ def _sigkill_group(pgid: int) -> bool:
     return True
 
 
+class ForkedProcess:
+    """A child of the light driver's zygote, with the part of ``Popen``'s interface that
+    ``Attempt`` uses. Not our child: its end is seen from its exit-code file (written by a
+    child that ends by itself) or from its pid disappearing (a SIGKILL; the zygote's kernel
+    reaps it)."""
+
+    def __init__(self, pid: int, log_path: Path) -> None:
+        self.pid = pid
+        self.exit_path = Path(f"{log_path}.exit")
+        self.returncode: int | None = None
+
+    def _alive(self) -> bool:
+        try:
+            with open(f"/proc/{self.pid}/stat", "rb") as handle:
+                state = handle.read().rsplit(b")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            return False
+        return state != b"Z"
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            if self.exit_path.is_file() and not self._alive():
+                self.returncode = int(self.exit_path.read_text() or 1)
+            elif not self._alive():
+                self.returncode = -signal.SIGKILL
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(LIGHT_DRIVER), timeout or 0.0)
+            time.sleep(POLL_S)
+        assert self.returncode is not None
+        return self.returncode
+
+
+class LightZygote:
+    """``light_driver.py --serve``: imports once, then forks one light attempt per request
+    (each start then costs nothing but the run itself)."""
+
+    def __init__(self) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, str(LIGHT_DRIVER), "--serve"],
+            cwd=REPO,
+            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    def start(self, argv: list[str], log_path: Path) -> ForkedProcess:
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.process.stdin.write(json.dumps({"argv": argv, "log": str(log_path)}) + "\n")
+        self.process.stdin.flush()
+        answer = self.process.stdout.readline()
+        if not answer.strip():
+            raise RuntimeError(f"the light driver's zygote ended ({self.process.poll()})")
+        return ForkedProcess(int(answer), log_path)
+
+    def close(self) -> None:
+        if self.process.stdin is not None:
+            self.process.stdin.close()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
 class Attempt:
-    def __init__(self, index: int, workdir: Path, overrides: list[str], marker: str) -> None:
+    """One start of the run: ``tandemrl train``, or with ``zygote`` a light attempt
+    (``light_driver.py``) forked by it."""
+
+    def __init__(
+        self,
+        index: int,
+        workdir: Path,
+        overrides: list[str],
+        marker: str,
+        *,
+        zygote: LightZygote | None = None,
+    ) -> None:
         self.index = index
         self.log_path = workdir / f"attempt_{index:02d}.log"
         env = {
@@ -193,6 +290,12 @@ class Attempt:
         }
         self.marker = marker
         self.started = time.monotonic()
+        self._pids: set[int] = set()
+        self._pids_at = 0.0
+        self.process: subprocess.Popen[bytes] | ForkedProcess
+        if zygote is not None:
+            self.process = zygote.start(["--config", str(CONFIG), *overrides], self.log_path)
+            return
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
                 [
@@ -210,8 +313,6 @@ class Attempt:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        self._pids: set[int] = set()
-        self._pids_at = 0.0
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started
@@ -220,6 +321,9 @@ class Attempt:
         return self.process.poll() is None
 
     def refresh_pids(self, *, force: bool = False) -> None:
+        if isinstance(self.process, ForkedProcess):
+            self._pids = {self.process.pid}  # a light attempt starts no process of its own
+            return
         if force or time.monotonic() - self._pids_at > PID_REFRESH_S:
             self._pids = _marked_pids(self.marker)
             self._pids_at = time.monotonic()
@@ -291,6 +395,17 @@ class Observer:
             for entry in os.scandir(self.checkpoint_dir)
             if entry.name.startswith(".step_") and ".tmp-" in entry.name
         ]
+
+    def newest_step(self) -> int:
+        """The newest published trainer checkpoint's step (0: none)."""
+        if not self.checkpoint_dir.is_dir():
+            return 0
+        steps = [
+            int(entry.name[len("step_") :])
+            for entry in os.scandir(self.checkpoint_dir)
+            if entry.name.startswith("step_") and entry.name[len("step_") :].isdigit()
+        ]
+        return max(steps, default=0)
 
     def tmp_snapshot_dirs(self) -> list[str]:
         if not self.checkpoint_dir.is_dir():
@@ -371,6 +486,18 @@ class KillPoint:
             ):
                 return f"{self.after_first_step_s:.2f} s after step {trained[0]['step']} closed"
             return None
+        if self.point == "with_buffered_groups":
+            resumed = int(start.get("resumed_step", 0))
+            newest = observer.newest_step()
+            if not trained or newest <= resumed:
+                return None
+            done = {group for event in trained for group in event["groups"]}
+            waiting = {e["group_id"] for e in after if e["event"] == "generated"} - done
+            if len(waiting) < 2:
+                return None
+            return (
+                f"step_{newest} on disk, {len(waiting)} committed group(s) of this attempt waiting"
+            )
         if self.point == "mid_train":
             last_step = trained[-1]["step"] if trained else int(start.get("resumed_step", 0))
             generated = {
@@ -430,16 +557,7 @@ def run_with_kills(
                 report.stragglers_killed += attempt.kill_everything()
                 break
             point = KillPoint(pending[0], rng)
-            detail, hit = None, True
-            while attempt.running():
-                attempt.refresh_pids()
-                detail = point.ready(attempt, observer)
-                if detail is not None:
-                    break
-                if attempt.elapsed() > point_timeout_s:
-                    detail, hit = f"not seen within {point_timeout_s} s: killed by timer", False
-                    break
-                time.sleep(POLL_S)
+            detail, hit = _wait_for(point, attempt, observer, point_timeout_s)
             if not attempt.running():
                 # It finished (or crashed) before the kill point: nothing more to kill.
                 report.final_returncode = attempt.process.wait()
@@ -471,6 +589,22 @@ def run_with_kills(
     report.wall_s = time.monotonic() - started
     report.audit = audit(checkpoint_dir, shape)
     return report
+
+
+def _wait_for(
+    point: KillPoint, attempt: Attempt, observer: Observer, timeout_s: float
+) -> tuple[str | None, bool]:
+    """Poll until the kill point is reached (detail, True), the attempt exits (None, True) or
+    ``timeout_s`` passes (detail, False)."""
+    while attempt.running():
+        attempt.refresh_pids()
+        detail = point.ready(attempt, observer)
+        if detail is not None:
+            return detail, True
+        if attempt.elapsed() > timeout_s:
+            return f"not seen within {timeout_s} s: killed by timer", False
+        time.sleep(POLL_S)
+    return None, True
 
 
 def audit(checkpoint_dir: Path, shape: RunShape) -> dict[str, Any]:
@@ -530,3 +664,179 @@ def dump(report: ChaosReport, path: Path) -> None:
         "kills": [kill.__dict__ for kill in report.kills],
     }
     path.write_text(json.dumps(payload, indent=2))
+
+
+# ---------------------------------------------------------------------------- config change
+
+TEMPERATURE = "policy.generation.temperature"
+# The fake engine of light_driver.py: a step lasts long enough to be caught mid-run.
+LIGHT_OVERRIDES = (
+    "policy.generation.backend=fake",
+    "policy.generation.fake_latency={kind: uniform, low: 0.01, high: 0.05}",
+)
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    """Every file under ``root`` (relative path -> sha256) and every folder (-> "dir")."""
+    found: dict[str, str] = {}
+    for path in sorted(root.rglob("*")):
+        relative = str(path.relative_to(root))
+        found[relative] = "dir" if path.is_dir() else hashlib.sha256(path.read_bytes()).hexdigest()
+    return found
+
+
+@dataclass
+class ConfigChangeReport:
+    kills: list[Kill] = field(default_factory=list)
+    refused_returncode: int | None = None
+    refused_output: str = ""
+    refused_seconds: float = 0.0
+    refused_modified: list[str] = field(default_factory=list)  # paths a refusal changed
+    final_returncode: int | None = None
+    wall_s: float = 0.0
+    audit: dict[str, Any] = field(default_factory=dict)
+
+
+def run_config_change_case(
+    workdir: Path,
+    *,
+    shape: RunShape,
+    point_timeout_s: float = 60.0,
+    final_timeout_s: float = 120.0,
+    log: Any = print,
+) -> ConfigChangeReport:
+    """Kill a run with committed groups waiting; restart it with a changed temperature under
+    refuse, drop_rollouts (killed again) and keep (to the end). Module docstring."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    base = [*shape.overrides(workdir), *LIGHT_OVERRIDES]
+    checkpoint_dir = workdir / "ckpt"
+    marker = uuid.uuid4().hex
+    report = ConfigChangeReport()
+    started = time.monotonic()
+    restarts = [
+        (f"{TEMPERATURE}=0.7", "rollout_checkpointing.on_config_change=refuse"),
+        (f"{TEMPERATURE}=0.7", "rollout_checkpointing.on_config_change=drop_rollouts"),
+        (f"{TEMPERATURE}=0.5", "rollout_checkpointing.on_config_change=keep"),
+    ]
+    attempt: Attempt | None = None
+    zygote = LightZygote()
+    try:
+        for index, changed in enumerate([(), *restarts]):
+            starts_before = sum(
+                event["event"] == "start" for event in _journal_events(checkpoint_dir / JOURNAL)
+            )
+            refuse = "rollout_checkpointing.on_config_change=refuse" in changed
+            before = tree_digest(checkpoint_dir) if refuse else {}
+            # The refused restart is the real command: it must exit before Ray starts.
+            attempt = Attempt(
+                index, workdir, [*base, *changed], marker, zygote=None if refuse else zygote
+            )
+            if refuse or "rollout_checkpointing.on_config_change=keep" in changed:
+                timeout = point_timeout_s if refuse else final_timeout_s
+                try:
+                    code = attempt.process.wait(timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    raise RuntimeError(
+                        f"attempt {index} did not end in {timeout} s:\n{attempt.tail()}"
+                    ) from None
+                attempt.kill_everything()
+                if refuse:
+                    report.refused_returncode = code
+                    report.refused_output = attempt.log_path.read_text(errors="replace")
+                    report.refused_seconds = round(attempt.elapsed(), 1)
+                    after = tree_digest(checkpoint_dir)
+                    report.refused_modified = sorted(
+                        path
+                        for path in set(before) | set(after)
+                        if before.get(path) != after.get(path)
+                    )
+                else:
+                    report.final_returncode = code
+                log(f"attempt {index} {changed}: exit {code}")
+                continue
+            point = KillPoint("with_buffered_groups", random.Random(index))
+            observer = Observer(checkpoint_dir, starts_before, shape)
+            detail, hit = _wait_for(point, attempt, observer, point_timeout_s)
+            if not attempt.running():
+                raise RuntimeError(
+                    f"attempt {index} {changed} exited ({attempt.process.poll()}) before its "
+                    f"kill point:\n{attempt.tail()}"
+                )
+            processes = len(attempt.pids())
+            attempt.kill_everything()
+            trained_seen = sum(event["event"] == "trained" for event in observer.events())
+            kill = Kill(
+                index,
+                point.point,
+                hit,
+                round(attempt.elapsed(), 2),
+                trained_seen,
+                detail or "",
+                processes,
+            )
+            report.kills.append(kill)
+            log(f"kill {len(report.kills)} {changed}: {kill}")
+    except BaseException:
+        if attempt is not None:
+            attempt.kill_everything()
+        raise
+    finally:
+        zygote.close()
+    report.wall_s = round(time.monotonic() - started, 1)
+    report.audit = config_change_audit(checkpoint_dir, shape)
+    return report
+
+
+def config_change_audit(checkpoint_dir: Path, shape: RunShape) -> dict[str, Any]:
+    """``audit``, plus under which config each trained group was generated: no group of an
+    earlier config trained after the change, except those ``keep`` kept."""
+    events = read_journal(checkpoint_dir / JOURNAL)
+    result = lineage(events)
+    starts = [event for event in events if event["event"] == "start"]
+    first = starts[0]
+    by_policy = {(s.get("config_change") or {}).get("policy"): s for s in starts[1:]}
+    drop, keep = by_policy.get("drop_rollouts"), by_policy.get("keep")
+    mixed = result.trained_under_another_config()
+    first_config = result.fingerprints[first["attempt"]]
+    kept: set[str] = set()
+    if keep is not None:
+        change = keep["config_change"]
+        kept = set(change["kept_committed"]) | set(change["kept_unfinished"])
+
+    def describe(entries: list[tuple[int, str, str, str | None]]) -> list[str]:
+        return [
+            f"{group} step {step} by {trainer} from {generator}"
+            for step, group, trainer, generator in entries
+        ]
+
+    return {
+        **audit(checkpoint_dir, shape),
+        "config_changes": {
+            policy: start["config_change"]["changes"]
+            for policy, start in by_policy.items()
+            if policy
+        },
+        "dropped_committed": [] if drop is None else drop["config_change"]["dropped_committed"],
+        "dropped_unfinished": [] if drop is None else drop["config_change"]["dropped_unfinished"],
+        "kept": sorted(kept),
+        # Groups generated under the first config, trained by an attempt under another one.
+        "old_config_trained_after_change": describe(
+            [
+                m
+                for m in mixed
+                if m[2] != first["attempt"]
+                and (m[3] is None or result.fingerprints.get(m[3]) == first_config)
+            ]
+        ),
+        # What the drop_rollouts attempt trained that it did not generate under its config.
+        "drop_attempt_trained_across_change": describe(
+            [m for m in mixed if drop is not None and m[2] == drop["attempt"]]
+        ),
+        # What the keep attempt trained across the change: must be among what it kept.
+        "keep_attempt_trained_across_change": describe(
+            [m for m in mixed if keep is not None and m[2] == keep["attempt"]]
+        ),
+        "keep_attempt_trained_not_kept": describe(
+            [m for m in mixed if keep is not None and m[2] == keep["attempt"] and m[1] not in kept]
+        ),
+    }

@@ -380,12 +380,16 @@ def test_bootstrap_with_a_changed_config_is_refused_listing_the_dotpaths(tmp_pat
 
 
 def test_incompatible_snapshot_is_skipped_for_the_trainer_checkpoint(ckpt):
-    cfg = make_cfg(ckpt, "policy.optimizer.lr=0.001")
+    # keep: the trainer checkpoint's own rollout state (written under the old config too) is
+    # what the restart resumes; the snapshots of the old config are skipped
+    cfg = make_cfg(ckpt, "policy.optimizer.lr=0.001", "rollout_checkpointing.on_config_change=keep")
     plan = plan_restore(cfg)
     assert plan.trainer_dir == plan.rollout_dir == ckpt / "step_3"
     skipped = [c for c in plan.considered if c.kind == "snapshot"]
     assert len(skipped) == 2 and not any(c.chosen for c in skipped)
     assert all("policy.optimizer.lr: 0.0003 -> 0.001" in c.reason for c in skipped)
+    assert plan.config_change is not None and plan.config_change.policy == "keep"
+    assert plan.config_change.changes == ["policy.optimizer.lr: 0.0003 -> 0.001"]
 
 
 def test_temporary_and_unfinished_bundles_are_never_selected_nor_deleted(ckpt):
@@ -562,6 +566,7 @@ def test_describe_with_a_config_names_the_changed_dotpaths_of_skipped_snapshots(
     info = describe_checkpoint_dir(ckpt, make_cfg(ckpt, "policy.optimizer.lr=0.001"))
     assert info["fingerprint_checked"]
     assert info["rollout_state"] == str(ckpt / "step_3")
+    assert info["outcome"] == "refused"  # on_config_change: refuse, the default
     skipped = [c for c in info["candidates"] if c["kind"] == "snapshot"]
     assert all("policy.optimizer.lr: 0.0003 -> 0.001" in c["reason"] for c in skipped)
 
@@ -584,9 +589,13 @@ def test_inspect_cli_text_and_json(ckpt, capsys):
     assert "committed groups restorable" in text and "not checked" in text
 
     cfg_args = ["--config", EXEMPLAR, f"checkpointing.checkpoint_dir={ckpt}"]
-    assert main(["inspect", str(ckpt), "--json", *cfg_args, "grpo.num_prompts_per_step=4"]) == 0
+    # the exemplar differs from the config the bundles were written under: a restart with it
+    # is refused (on_config_change: refuse), naming every changed dotpath
+    assert main(["inspect", str(ckpt), "--json", *cfg_args, "grpo.num_prompts_per_step=4"]) == 1
     info = json.loads(capsys.readouterr().out)
-    assert info["fingerprint_checked"] and info["outcome"] == "resume"
+    assert info["fingerprint_checked"] and info["outcome"] == "refused"
+    changes = info["config_change"]["sources"][0]["changes"]
+    assert "grpo.num_generations_per_prompt: 2 -> 8" in changes, changes
 
     corrupt(ckpt / "step_3" / "policy" / "fake_trainer.json", "flip")
     for step in (1, 2):
