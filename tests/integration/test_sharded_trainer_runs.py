@@ -57,16 +57,16 @@ def ppo_cfg(tmp_path, steps: int):
 
 
 def test_a_ppo_run_with_two_rank_policy_and_critic_trains_and_checkpoints(ray_session, tmp_path):
-    cfg = ppo_cfg(tmp_path, 2)
+    cfg = ppo_cfg(tmp_path, 1)
     assert run_training(cfg) == 0
     rows = [
         json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()
     ]
-    assert [row["step"] for row in rows] == [1, 2]
+    assert [row["step"] for row in rows] == [1]
     assert all("train/critic_value_loss" in row and "weight_sync_s" in row for row in rows)
-    assert [row["train/optimizer_steps"] for row in rows] == [2.0, 4.0]  # ppo_epochs per step
+    assert [row["train/optimizer_steps"] for row in rows] == [2.0]  # ppo_epochs per step
     plan = plan_restore(cfg)
-    assert plan.step == 2
+    assert plan.step == 1
     for folder, kind in (("policy", "policy"), ("value", "value")):
         state = read_worker_state(plan.trainer_dir / folder)
         assert (state["kind"], state["layout"], state["data_parallel_size"]) == (kind, "dcp", 2)
@@ -80,7 +80,7 @@ def test_a_ppo_run_with_two_rank_policy_and_critic_trains_and_checkpoints(ray_se
         device="cpu",
     )
     asyncio.run(critic.load_checkpoint(plan.trainer_dir / "value", load_optimizer=True))
-    assert critic.optimizer_steps == 4
+    assert critic.optimizer_steps == 2
     final = tmp_path / "logs" / "final_model"
     model = AutoModelForCausalLM.from_pretrained(final)  # a transformers folder
     assert sum(p.numel() for p in model.parameters()) > 0
