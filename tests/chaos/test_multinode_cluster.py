@@ -104,6 +104,9 @@ class TwoNodeCluster:
             "RAY_raylet_start_wait_time_s": "120",
             MARKER_ENV: self.marker,
         }
+        # An embedded run earlier in this pytest process sets it to 0 (loopback only, one
+        # node); a cluster of two nodes needs Ray's default.
+        self.env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
         self.temp_dir = Path(f"/tmp/trl_mn_{self.marker[:8]}")  # short: socket paths
         # Both nodes register under this machine's address, where the driver looks for them.
         from ray._private.services import get_node_ip_address
