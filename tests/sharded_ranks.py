@@ -1,6 +1,6 @@
 """Run functions on N trainer ranks in fresh processes (gloo on CPU) and collect the results.
 
-Each rank is a spawned process that joins a real ``torch.distributed`` group through
+Each rank is a fresh process (forked by a fork server that imported the trainer once) that joins a real ``torch.distributed`` group through
 ``tandemrl.training.rank_group`` (rank 0 opens the rendezvous and hands its address to the
 others through a queue), calls ``fn(rank, world_size, *args)`` and sends back what it returns
 (or the exception's text). Several phases of different world sizes run in one set of
@@ -64,7 +64,10 @@ def run_phases(phases: list[tuple[int, Callable[..., Any]]], *args: Any) -> list
     size: starting a process and importing torch is the expensive part). Returns, per phase,
     the results by rank."""
     processes_needed = max(world for world, _ in phases)
-    context = multiprocessing.get_context("spawn")
+    # A fork server that imported the trainer once forks every rank: on 2 cores, N ranks each
+    # importing torch and transformers took most of the test's time.
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "tandemrl.training.sharded_workers"])
     # One address queue per phase: a rank that skips a phase must not take its address.
     queues, results = [context.Queue() for _ in phases], context.Queue()
     previous = os.environ.get("CUDA_VISIBLE_DEVICES")
