@@ -8,7 +8,18 @@ Scenario ``equal``: G = T, fixed per-request latency. Goal: every async mode <= 
 Scenario ``longtail``: lognormal per-request latency (same mean), where a few stragglers hold
 up an exact-batch sampler while the streaming samplers train whatever is ready.
 
-    python benchmarks/overlap.py [--seconds 0.2] [--steps 16]
+Two more comparisons (issue 33), each from this one run:
+
+- ``windowed`` with ``over_sampling_ratio`` (``windowed_capped``) against plain ``windowed``
+  on the long tail: wasted groups (evicted from the buffer or aborted in flight, both
+  generated for nothing) per trained group, ``windowed_evicted_per_trained`` and
+  ``windowed_capped_evicted_per_trained``, their ratio ``windowed_waste_reduction`` (goal
+  >= 2) and ``windowed_capped_steps_per_s_ratio`` (goal 1 +- 0.05);
+- the drain gate (``async_rl.in_flight_weight_updates: false``) against in-flight weight
+  updates, both ``in_order`` lookahead 1: ``drain_cost`` (equal latencies) and
+  ``longtail_drain_cost``, step time with the gate over step time without.
+
+    python benchmarks/overlap.py [--seconds 0.2] [--steps 16] [--over-sampling-ratio 0.5]
 """
 
 from __future__ import annotations
@@ -41,7 +52,14 @@ MODES: dict[str, tuple[str, int]] = {
 }
 
 
-def run_mode(mode: str, latency: LatencyModel, train_seconds: float, steps: int) -> float:
+def run_mode(
+    mode: str,
+    latency: LatencyModel,
+    train_seconds: float,
+    steps: int,
+    extra: tuple[str, ...] = (),
+) -> dict[str, float]:
+    """Mean step time after warm-up, and the groups trained and wasted over the same steps."""
     sampler, min_groups = MODES[mode]
     n, g = PROMPTS_PER_STEP, GROUP_SIZE
     capacity = n * 2 if mode != "windowed" else n * 3
@@ -58,6 +76,7 @@ def run_mode(mode: str, latency: LatencyModel, train_seconds: float, steps: int)
             f"async_rl.min_groups_for_streaming_train={min_groups}",
             f"async_rl.max_buffered_rollouts={n if mode == 'sync' else capacity}",
             f"async_rl.max_inflight_prompts={n if mode == 'sync' else capacity}",
+            *extra,
         ),
     )
 
@@ -70,14 +89,19 @@ def run_mode(mode: str, latency: LatencyModel, train_seconds: float, steps: int)
         )
         return await controller.run()
 
-    history = asyncio.run(go())
-    return statistics.mean(row["step_time_s"] for row in history[WARMUP_STEPS:])
+    measured = asyncio.run(go())[WARMUP_STEPS:]
+    return {
+        "step_time_s": statistics.mean(row["step_time_s"] for row in measured),
+        "trained": sum(row["groups_trained"] for row in measured),
+        "wasted": sum(row["evicted_groups"] + row["aborted_groups"] for row in measured),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=0.2, help="G = T per step")
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--over-sampling-ratio", type=float, default=0.5)
     args = parser.parse_args()
     torch.set_num_threads(1)
     requests_per_step = PROMPTS_PER_STEP * GROUP_SIZE
@@ -93,13 +117,49 @@ def main() -> None:
         print(
             f"\nscenario {scenario}: G = T = {args.seconds:.3f} s, ideal max(G, T) = {ideal:.3f} s"
         )
+        prefix = "" if scenario == "equal" else "longtail_"
+        runs: dict[str, dict[str, float]] = {}
         for mode in MODES:
-            step_time = run_mode(mode, latency, args.seconds, args.steps)
-            ratio = step_time / ideal
-            print(f"  {mode:12s} step {step_time:.3f} s  = {ratio:.2f} x ideal")
-            key = f"{mode}_vs_ideal" if scenario == "equal" else f"longtail_{mode}_vs_ideal"
-            result[key] = round(ratio, 3)
+            runs[mode] = run_mode(mode, latency, args.seconds, args.steps)
+            ratio = runs[mode]["step_time_s"] / ideal
+            print(f"  {mode:12s} step {runs[mode]['step_time_s']:.3f} s  = {ratio:.2f} x ideal")
+            result[f"{prefix}{mode}_vs_ideal"] = round(ratio, 3)
+        drained = run_mode(
+            "in_order",
+            latency,
+            args.seconds,
+            args.steps,
+            ("async_rl.in_flight_weight_updates=false",),
+        )
+        drain_cost = drained["step_time_s"] / runs["in_order"]["step_time_s"]
+        print(f"  in_order, drain gate: step {drained['step_time_s']:.3f} s = {drain_cost:.3f} x")
+        result[f"{prefix}drain_cost"] = round(drain_cost, 3)
+        if scenario == "longtail":
+            plain = runs["windowed"]
+            capped = run_mode(
+                "windowed",
+                latency,
+                args.seconds,
+                args.steps,
+                (f"async_rl.sampler.over_sampling_ratio={args.over_sampling_ratio}",),
+            )
+            waste = plain["wasted"] / plain["trained"]
+            capped_waste = capped["wasted"] / capped["trained"]
+            print(
+                f"  windowed wasted/trained {waste:.3f}; with over_sampling_ratio "
+                f"{args.over_sampling_ratio}: {capped_waste:.3f}, step {capped['step_time_s']:.3f} s"
+            )
+            result["windowed_evicted_per_trained"] = round(waste, 3)
+            result["windowed_capped_evicted_per_trained"] = round(capped_waste, 3)
+            result["windowed_waste_reduction"] = (
+                round(waste / capped_waste, 3) if capped_waste > 0 else None
+            )
+            result["windowed_capped_steps_per_s_ratio"] = round(
+                plain["step_time_s"] / capped["step_time_s"], 3
+            )
+            result["over_sampling_ratio"] = args.over_sampling_ratio
     result["goal_async_vs_ideal"] = 1.05
+    result["goal_windowed_waste_reduction"] = 2.0
     print("RESULT " + json.dumps(result))
 
 

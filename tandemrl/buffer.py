@@ -13,7 +13,8 @@ Life of a prompt group (one ``Slot``)::
 - ``reserve`` appends a slot at dispatch and stamps ``start_weight`` (and ``target_step`` for
   in_order); the slot keeps the group's prompt (``item``). Slots are appended, so buffer order is dispatch order (``dispatch_index``, a
   counter that only grows) and ``start_weight`` never decreases along the buffer.
-- ``commit`` records the group's ``group_size`` rows and ``end_weight`` and flips it ready.
+- ``commit`` records the group's rows (one per sibling; an agent episode split into turns
+  has several) and ``end_weight`` and flips it ready.
   Invariant: the caller has written those rows to the data plane BEFORE committing, so a
   ready slot always has its rows stored; a sampler may hand it to the trainer at once.
 - The live index holds reserved and ready groups; ``capacity`` (``max_buffered_rollouts``)
@@ -420,11 +421,19 @@ def _slot_from_state(entry: Any) -> Slot:
 
 
 def _check_rows(group_id: str, rows_meta: list[RowMeta], group_size: int, what: str) -> list[str]:
-    """Refuse rows that are not ``group_size`` distinct rows of ``group_id``; their sample ids."""
-    if len(rows_meta) != group_size:
+    """Refuse rows that are not the distinct rows of ``group_id``'s ``group_size`` siblings;
+    their sample ids. One row per sibling, or, for agent episodes split into several rows
+    (token_capture.on_prefix_mismatch: split), several rows of a sibling, every sibling
+    0..group_size-1 holding at least one."""
+    if len(rows_meta) < group_size or (
+        len(rows_meta) > group_size
+        and {row.sibling_index for row in rows_meta} != set(range(group_size))
+    ):
         raise ReplayBufferError(
             f"{what}: group {group_id!r} has {len(rows_meta)} rows, expected {group_size} "
-            "(num_generations_per_prompt)"
+            "(num_generations_per_prompt; more only when agent episodes split into several "
+            f"rows, with each of the {group_size} siblings holding one or more; it has "
+            f"siblings {sorted({row.sibling_index for row in rows_meta})})"
         )
     sample_ids = [row.sample_id for row in rows_meta]
     if len(set(sample_ids)) != len(sample_ids):

@@ -3,7 +3,8 @@
 ``validate_single_controller_config`` checks the config against itself. These checks look at
 the machine the run would start on: that the model folder exists and holds a model and a
 tokenizer (a hub id cannot be downloaded: TandemRL loads local folders), that the dataset file
-exists and every line parses, that ``env.target`` imports (a custom sampler's ``target`` is
+exists and every line parses, that each distillation teacher's folder holds a model with the
+student's tokenizer and that every dataset row has a teacher, that ``env.target`` imports (a custom sampler's ``target`` is
 checked by the config rules),
 and that ``policy.device: cuda`` has a GPU to run on. ``tandemrl validate`` runs them unless
 ``--no-runtime-checks`` (a login node without the data or the GPUs); ``tandemrl train`` runs
@@ -45,6 +46,7 @@ def runtime_problems(cfg: MasterConfig) -> list[str]:
     if cfg.value is not None and cfg.value.model_name is not None:
         problems += _model_problems("value.model_name", cfg.value.model_name, needs_tokenizer=False)
     problems += _dataset_problems(cfg)
+    problems += _teacher_problems(cfg)
     problems += _import_problems(cfg)
     problems += _device_problems(cfg)
     problems += installed_version_problems()
@@ -125,24 +127,126 @@ def _model_problems(
 
 
 def _dataset_problems(cfg: MasterConfig) -> list[str]:
-    from tandemrl.data.dataset import DatasetError, load_prompt_records
+    from tandemrl.data.dataset import DatasetError, load_prompt_records, load_validation_records
 
+    problems = []
     try:
         load_prompt_records(cfg.data)
     except DatasetError as error:
-        return [str(error)]
+        problems.append(str(error))
     except (OSError, UnicodeDecodeError) as error:
-        return [f"data.dataset={cfg.data.dataset!r}: cannot read it ({error})"]
-    return []
+        problems.append(f"data.dataset={cfg.data.dataset!r}: cannot read it ({error})")
+    if cfg.data.validation is not None and cfg.validates:
+        try:
+            load_validation_records(cfg.data, max_samples=cfg.algorithm.max_val_samples)
+        except DatasetError as error:
+            problems.append(str(error))
+        except (OSError, UnicodeDecodeError) as error:
+            problems.append(f"data.validation={cfg.data.validation!r}: cannot read it ({error})")
+    return problems
+
+
+def _teacher_problems(cfg: MasterConfig) -> list[str]:
+    """On-policy distillation: each teacher's folder holds a model and the student's tokenizer,
+    and every row of the dataset has a teacher (``tandemrl.config.distillation``)."""
+    block = cfg.on_policy_distillation
+    if block is None:
+        return []
+    problems: list[str] = []
+    usable = []
+    for index, teacher in enumerate(block.teachers):
+        key = f"on_policy_distillation.teachers.{index}.model_name"
+        found = _model_problems(key, teacher.model_name, needs_tokenizer=True)
+        problems += found
+        if not found:
+            usable.append((key, teacher.model_name))
+    problems += _teacher_tokenizer_problems(cfg, usable)
+    problems += _unrouted_rows(cfg)
+    return problems
+
+
+def _teacher_tokenizer_problems(cfg: MasterConfig, teachers: list[tuple[str, str]]) -> list[str]:
+    """Teachers whose tokenizer maps text to other ids than the student's (folders loaded;
+    two tiny:// presets were compared by validation already)."""
+    from tandemrl.models import (
+        TINY_SCHEME,
+        load_tokenizer,
+        resolve_model_path,
+        resolve_tokenizer_path,
+        tokenizer_signature,
+    )
+
+    if _model_problems("policy.model_name", cfg.policy.model_name, needs_tokenizer=True):
+        return []  # reported already
+    student_name = cfg.policy.tokenizer.name or cfg.policy.model_name
+    folders = [name for _, name in teachers if not name.startswith(TINY_SCHEME)]
+    if not folders and student_name.startswith(TINY_SCHEME):
+        return []
+    signatures: dict[str, str] = {}
+
+    def signature(model_name: str, tokenizer_name: str | None = None) -> str:
+        if model_name not in signatures or tokenizer_name is not None:
+            folder = resolve_model_path(model_name)
+            path = resolve_tokenizer_path(tokenizer_name, folder)
+            signatures[model_name] = tokenizer_signature(load_tokenizer(path))
+        return signatures[model_name]
+
+    student = signature(cfg.policy.model_name, cfg.policy.tokenizer.name)
+    return [
+        f"{key}={name!r}: its tokenizer differs from the student's ({student_name!r}: another "
+        "vocabulary or other special token ids); a teacher scores the student's own token ids, "
+        "so both must share one tokenizer — pick a teacher trained with the student's tokenizer"
+        for key, name in teachers
+        if signature(name) != student
+    ]
+
+
+def _unrouted_rows(cfg: MasterConfig, shown: int = 3) -> list[str]:
+    """Dataset rows no teacher serves (a JSONL dataset; built-in ones are checked by
+    validation)."""
+    from tandemrl.config.distillation import TeacherRoutes, unrouted_row_message
+    from tandemrl.data.dataset import DatasetError, load_prompt_records
+
+    block = cfg.on_policy_distillation
+    assert block is not None
+    if cfg.data.dataset is None or cfg.data.dataset.startswith("builtin://"):
+        return []
+    try:
+        records = load_prompt_records(cfg.data)
+    except (DatasetError, OSError, UnicodeDecodeError):
+        return []  # reported by _dataset_problems
+    routes = TeacherRoutes.from_config(block)
+    unrouted = [
+        (number, record)
+        for number, record in enumerate(records, start=1)
+        if routes.route(record.task_source, record.agent_ref) is None
+    ]
+    problems = [
+        unrouted_row_message(
+            record.task_source, record.agent_ref, f"data.dataset={cfg.data.dataset!r} row {number}"
+        )
+        for number, record in unrouted[:shown]
+    ]
+    if len(unrouted) > shown:
+        problems.append(
+            f"on_policy_distillation.teachers: {len(unrouted) - shown} more row(s) of "
+            f"{cfg.data.dataset!r} have no teacher"
+        )
+    return problems
 
 
 def _import_problems(cfg: MasterConfig) -> list[str]:
     problems = []
-    if cfg.env.name == "custom" and cfg.env.target:
+    if cfg.env.name in ("custom", "agent") and cfg.env.target:
+        from tandemrl.agents import agent_class
         from tandemrl.envs import environment_class
 
         try:
-            environment_class(cfg.env)  # imports through env.python_path, as the run will
+            # Imports through env.python_path, as the run will.
+            if cfg.env.name == "agent":
+                agent_class(cfg.env)
+            else:
+                environment_class(cfg.env)
         except (ImportError, TypeError, ValueError) as error:
             problems.append(
                 f"{error} (the module must be importable by `tandemrl train`: installed, or on "

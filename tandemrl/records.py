@@ -66,6 +66,37 @@ class GenerationResult:
 
 
 @dataclass(slots=True)
+class AgentTurn:
+    """One call an agent made to the policy: exactly what the engine saw and sampled."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]  # one per token of token_ids
+    finish_reason: FinishReason
+    start_weight_version: int = 0
+    end_weight_version: int = 0
+
+
+@dataclass(slots=True)
+class AgentEpisode:
+    """The turns of one agent run (one sibling of a prompt group), in the order they ended.
+
+    ``ended_by``: the limit that ended the episode early (``max_turns``,
+    ``max_tokens_per_episode``, ``context``), or None when the agent finished on its own.
+    """
+
+    turns: list[AgentTurn] = field(default_factory=list)
+    ended_by: str | None = None
+
+    @property
+    def truncated(self) -> bool:
+        """Ended by a limit, or its last turn was cut at its token budget."""
+        return self.ended_by is not None or (
+            bool(self.turns) and self.turns[-1].finish_reason == "length"
+        )
+
+
+@dataclass(slots=True)
 class EnvResult:
     reward: float
     # False: the environment flags this completion as not to be trained on (sample_mask = 0).
@@ -89,3 +120,13 @@ class RowMeta:
     end_weight_version: int
     # Numeric metadata of the environment's result (e.g. ``correct``), averaged per step.
     env_metrics: dict[str, float] | None = None
+
+
+@dataclass(slots=True)
+class TeacherRequest:
+    """One completion a distillation teacher scores: it answers with its logprob of each
+    completion token given everything before it (``log p(token_t | prompt, token_<t)``)."""
+
+    request_id: str  # "{group_id}/{sibling}"
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]

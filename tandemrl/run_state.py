@@ -12,6 +12,7 @@ budgets, the dataloader's cursor, the replacement reserve — as one typed objec
     ledger       unfinished groups and their staged siblings              ``OwnershipLedger``
     budgets      drops so far                                             ``FailureBudgets``
     dataloader   epoch, position, requeued prompts                        ``PromptDataLoader``
+    validation   open validation passes, how far the schedule went        ``ValidationState``
     replacement_reserve, recovered_groups                                  plain lists
 
 The controller drives these parts; checkpoint code reads them with ``capture()`` and writes
@@ -24,6 +25,7 @@ containers of str/int/float (``tandemrl.checkpoint.rollout_state`` writes and re
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,7 +35,10 @@ from tandemrl.data.dataloader import PromptDataLoader
 from tandemrl.records import PromptItem
 from tandemrl.rollout.failures import FailureBudgets
 from tandemrl.rollout.ledger import OwnershipLedger, UnfinishedGroup, resolve_granularity
+from tandemrl.rollout.validation_state import ValidationState
 from tandemrl.samplers.base import PromptGroupSampler
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -44,6 +49,11 @@ class ControllerState:
     trainer_version: int = 0
     consumed_groups: int = 0
     dropped_for_step: Counter[int] = field(default_factory=Counter)
+
+    def forget_closed_steps(self) -> None:
+        """Drop the counts of steps already trained (only the open and later steps are asked)."""
+        for step in [step for step in self.dropped_for_step if step < self.trainer_version]:
+            del self.dropped_for_step[step]
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -80,6 +90,9 @@ class RolloutState:
     commit_log_next_lsn: int | None = None
     # Read back from a bundle: the digest of each indexed row (the data plane's must match).
     row_digests: dict[str, str] = field(default_factory=dict)
+    # Open validation passes and the schedule's position (empty: validation off, or a
+    # checkpoint written before validation existed).
+    validation: dict[str, Any] = field(default_factory=dict)
 
     def committed_sample_ids(self) -> list[str]:
         if self.replay_index is None:
@@ -116,6 +129,8 @@ class RunState:
     # Unfinished groups restored from a checkpoint, redispatched before new prompts. They are
     # in the ledger already, so a snapshot taken while they wait still owns them.
     recovered_groups: list[UnfinishedGroup] = field(default_factory=list)
+    # Validation passes (None: no validation scheduled).
+    validation: ValidationState | None = None
 
     def capture(self, *, authoritative: bool) -> RolloutState:
         """Everything but the data-plane rows, taken synchronously.
@@ -135,6 +150,7 @@ class RunState:
             shadow_prompts=[]
             if authoritative
             else [dataclasses.asdict(item) for item in self.committed_prompts()],
+            validation={} if self.validation is None else self.validation.state_dict(),
         )
 
     def restore(self, state: RolloutState, unfinished: list[UnfinishedGroup]) -> int:
@@ -163,6 +179,9 @@ class RunState:
             self.ledger.adopt(group)
         self.recovered_groups = list(unfinished)
         self.replacement_reserve = [PromptItem(**item) for item in state.replacement_reserve]
+        if self.validation is not None and state.validation:
+            for note in self.validation.load_state_dict(state.validation):
+                log.warning("%s", note)
         return restored
 
     def drop_restored_rollouts(self) -> DroppedRollouts:

@@ -67,7 +67,16 @@ HEADER_SIZE = _HEADER.size
 # release disk space as snapshots move on.
 SEGMENT_BYTES = 64 << 20
 _SEGMENT_RE = re.compile(r"^segment_(\d{12})\.log$")
-RECORD_KINDS = ("open", "admitted", "staged", "committed", "dropped", "promoted", "reserve")
+RECORD_KINDS = (
+    "open",
+    "admitted",
+    "staged",
+    "committed",
+    "dropped",
+    "promoted",
+    "reserve",
+    "filtered",
+)
 
 
 def segment_name(first_lsn: int) -> str:
@@ -228,6 +237,8 @@ class LogReplay:
     staged: dict[str, dict[int, dict[str, Any]]] = field(default_factory=dict)
     dropped: set[str] = field(default_factory=set)
     promoted: dict[str, int | None] = field(default_factory=dict)
+    # Ready groups removed by dynamic sampling (after the bundle or in it).
+    filtered: set[str] = field(default_factory=set)
     cursor: dict[str, Any] | None = None
     budgets: dict[str, Any] | None = None
     records: int = 0
@@ -243,7 +254,8 @@ class LogReplay:
             self.cursor = record["cursor"]
         if "budgets" in record:
             self.budgets = record["budgets"]
-        # Every kind below names its group ("open" and "reserve" records name none).
+        # Every kind below names its group ("open", "reserve" and "filtered" records name
+        # none; "filtered" lists several).
         group_id: str = record.get("group_id", "")
         if kind == "admitted":
             self.admitted[group_id] = record["group"]
@@ -260,6 +272,10 @@ class LogReplay:
             self.admitted.pop(group_id, None)
             self.staged.pop(group_id, None)
             self.dropped.add(group_id)
+        elif kind == "filtered":
+            for filtered_id in record["group_ids"]:
+                self.committed.pop(filtered_id, None)
+                self.filtered.add(filtered_id)
         elif kind == "promoted":
             if group_id in self.committed:
                 self.committed[group_id]["target_step"] = record["target_step"]

@@ -14,7 +14,8 @@ branch:
 - a group admitted after the bundle and not committed becomes an unfinished group to
   redispatch, with the siblings it staged (``sibling`` recovery; ``prompt_group`` discards
   them, as a restore from a snapshot does);
-- a dropped group is forgotten; a promoted group keeps its new target step;
+- a dropped group is forgotten; a promoted group keeps its new target step; a group that
+  dynamic sampling filtered is removed (from the bundle's ready groups too);
 - the dataloader, the sampler's dispatch state, the drops per step, the replacement reserve
   and the failure budgets take the values of the last record that carried them, so no prompt
   is drawn twice.
@@ -39,7 +40,7 @@ from tandemrl.checkpoint.commit_log import (
     fold,
     read_log,
 )
-from tandemrl.checkpoint.journal import RunJournal
+from tandemrl.checkpoint.journal import RunJournal, teacher_passes_of
 from tandemrl.checkpoint.layout import CheckpointCorrupt
 from tandemrl.records import PromptItem, RowMeta
 from tandemrl.rollout.ledger import (
@@ -60,9 +61,12 @@ def commit_log_dir(checkpoint_dir: Path) -> Path:
 
 
 class ReplayedRows(Protocol):
-    """Rewrites a committed group's rows from its logged siblings (the rollout manager)."""
+    """Rewrites a committed group's rows from its logged siblings, or clears those of a group
+    the log removed (the rollout manager)."""
 
     async def write_replayed_rows(self, group: UnfinishedGroup) -> list[RowMeta]: ...
+
+    async def clear_replayed_rows(self, sample_ids: list[str]) -> None: ...
 
 
 class CommitLogEvents:
@@ -155,12 +159,13 @@ class CommitLogEvents:
         after_write = None
         if journal is not None:
             group_id = group.group_id
+            teacher_passes = teacher_passes_of(group)
 
             def after_write() -> None:
                 # Once the record is written (a process kill no longer loses it), as for
                 # ``staged``: the journal's ``generated`` line then never misses a commit
                 # that a restart replays from the log.
-                journal.generated(group_id, fresh_siblings)
+                journal.generated(group_id, fresh_siblings, teacher_passes)
 
         lsn = self.log.append_then("committed", after_write, group_id=group.group_id, group=entry)
         await self.log.wait_durable(lsn + 1)
@@ -184,6 +189,14 @@ class CommitLogEvents:
         # Not logged: a replayed group older than the window is evicted again at once.
         if self.journal is not None:
             self.journal.evicted(group_ids)
+
+    def filtered(self, group_ids: list[str]) -> None:
+        # Logged with the cursor (the replacements the sampler owes): a restart forgets the
+        # groups and dispatches the replacements still owed, instead of filtering them again
+        # and owing a second replacement for a group already replaced.
+        self.log.append("filtered", group_ids=list(group_ids), cursor=self.cursor())
+        if self.journal is not None:
+            self.journal.filtered(group_ids)
 
     def trained(self, step: int, group_ids: list[str]) -> None:
         # Not logged: a restart goes back to the bundle's step and trains again from there.
@@ -244,6 +257,12 @@ async def apply_replay(
 
     for group_id in replay.dropped:
         forget_unfinished(group_id)
+
+    # Zero-advantage groups dynamic sampling removed after the bundle (their replacement
+    # owed replacements come back with the cursor below).
+    for group_id in replay.filtered:
+        if group_id in buffer and buffer.slot(group_id).ready:
+            await rows.clear_replayed_rows(buffer.remove(group_id).sample_ids)
 
     restored = 0
     for group_id, entry in replay.committed.items():

@@ -35,6 +35,7 @@ __all__ = [
     "BUILTIN_EXCLUDED_PATHS",
     "REDACTED",
     "ROLLOUT_SEMANTIC_PATHS",
+    "TEACHER_SET_PREFIX",
     "compatibility_identity",
     "diff_identities",
     "excluded_patterns",
@@ -94,6 +95,50 @@ BUILTIN_EXCLUDED_PATHS: tuple[str, ...] = (
     "policy.dtensor_cfg.activation_checkpointing",
     "value.train_micro_batch_size",
     "env.python_path",  # where env.target is imported from, not what it computes
+    # Where and how agents reach the policy, not what it generates or how it is trained.
+    "policy.generation.http_server.enabled",
+    "policy.generation.http_server.host",
+    "policy.generation.http_server.port",
+    "policy.generation.http_server.served_model_name",
+    "policy.generation.http_server.max_request_bytes",
+    "env.agent.client",
+    # distillation: where and how fast teachers score, not what (the teacher set itself, its
+    # models, precision and routes, stays in the identity)
+    "on_policy_distillation.max_num_steps",
+    "on_policy_distillation.max_num_epochs",
+    "on_policy_distillation.teacher_scoring",
+    "on_policy_distillation.teachers.*.num_workers",
+    "on_policy_distillation.teachers.*.micro_batch_size",
+    "on_policy_distillation.teachers.*.device",
+    "on_policy_distillation.teachers.*.gpus_per_worker",
+    "on_policy_distillation.teachers.*.colocated_with_trainer",
+    # Validation passes never touch a rollout (no buffer slot, no ledger entry, no row): what
+    # they evaluate and how often is operational. Their own checkpointed progress carries the
+    # held-out prompts' fingerprint and k, and starts over when those change.
+    "grpo.val_period",
+    "grpo.val_at_start",
+    "grpo.val_at_end",
+    "grpo.max_val_samples",
+    "grpo.val_batch_size",
+    "grpo.val_num_generations",
+    "ppo.val_period",
+    "ppo.val_at_start",
+    "ppo.val_at_end",
+    "ppo.max_val_samples",
+    "ppo.val_batch_size",
+    "ppo.val_num_generations",
+    "on_policy_distillation.val_period",
+    "on_policy_distillation.val_at_start",
+    "on_policy_distillation.val_at_end",
+    "on_policy_distillation.max_val_samples",
+    "on_policy_distillation.val_batch_size",
+    "on_policy_distillation.val_num_generations",
+    "data.validation",
+    "policy.generation.val_temperature",
+    "policy.generation.val_top_p",
+    "policy.generation.val_top_k",
+    "checkpointing.metric_name",
+    "checkpointing.higher_is_better",
 )
 
 # Everything else: what a prompt is, how it is generated and scored, and what the trainer
@@ -122,12 +167,10 @@ ROLLOUT_SEMANTIC_PATHS: tuple[str, ...] = (
     "grpo.num_prompts_per_step",
     "grpo.num_generations_per_prompt",
     "grpo.seed",
-    "grpo.val_period",
-    "grpo.val_at_start",
-    "grpo.val_at_end",
     "grpo.reward_shaping",
     "grpo.reward_scaling",
     "grpo.use_dynamic_sampling",
+    "grpo.dynamic_sampling_max_gen_batches",
     "grpo.overlong_filtering",
     "grpo.normalize_rewards",
     "grpo.use_leave_one_out_baseline",
@@ -135,12 +178,10 @@ ROLLOUT_SEMANTIC_PATHS: tuple[str, ...] = (
     "ppo.num_prompts_per_step",
     "ppo.num_generations_per_prompt",
     "ppo.seed",
-    "ppo.val_period",
-    "ppo.val_at_start",
-    "ppo.val_at_end",
     "ppo.reward_shaping",
     "ppo.reward_scaling",
     "ppo.use_dynamic_sampling",
+    "ppo.dynamic_sampling_max_gen_batches",
     "ppo.overlong_filtering",
     "ppo.ppo_epochs",
     "ppo.critic_ppo_epochs",
@@ -148,6 +189,26 @@ ROLLOUT_SEMANTIC_PATHS: tuple[str, ...] = (
     "ppo.warm_start_value_checkpoint",
     "ppo.adv_estimator.**",
     "ppo.async_ppo",
+    # on_policy_distillation: the step keys (AlgorithmCommon), the loss and the teacher set
+    "on_policy_distillation.num_prompts_per_step",
+    "on_policy_distillation.num_generations_per_prompt",
+    "on_policy_distillation.seed",
+    "on_policy_distillation.reward_shaping",
+    "on_policy_distillation.reward_scaling",
+    "on_policy_distillation.use_dynamic_sampling",
+    "on_policy_distillation.dynamic_sampling_max_gen_batches",
+    "on_policy_distillation.overlong_filtering",
+    "on_policy_distillation.kl_coef",
+    "on_policy_distillation.reward_coef",
+    "on_policy_distillation.log_ratio_clamp",
+    "on_policy_distillation.normalize_rewards",
+    "on_policy_distillation.use_leave_one_out_baseline",
+    "on_policy_distillation.teachers.*.name",
+    "on_policy_distillation.teachers.*.model_name",
+    "on_policy_distillation.teachers.*.precision",
+    "on_policy_distillation.teachers.*.task_sources",
+    "on_policy_distillation.teachers.*.agent_refs",
+    "on_policy_distillation.teachers.*.default",
     "value.model_name",
     "value.train_global_batch_size",
     "value.max_grad_norm",
@@ -159,6 +220,10 @@ ROLLOUT_SEMANTIC_PATHS: tuple[str, ...] = (
     "async_rl.max_buffered_rollouts",
     "async_rl.max_inflight_prompts",
     "async_rl.recompute_kv_cache_after_weight_updates",
+    # the drain gate decides whether a completion may mix weight versions, and its deadline
+    # which groups are generated again (like the per-request deadlines below)
+    "async_rl.in_flight_weight_updates",
+    "async_rl.drain_timeout_s",
     "async_rl.rollout_failure.max_infra_retries",
     "async_rl.rollout_failure.max_data_retries",
     "async_rl.rollout_failure.max_skipped_prompts",
@@ -174,11 +239,35 @@ ROLLOUT_SEMANTIC_PATHS: tuple[str, ...] = (
     "checkpointing.save_data_plane",
     "token_capture.**",
     "rollout_recovery.**",
-    "data.**",
+    # data.validation is operational (above): held-out prompts never become rollouts.
+    "data.dataset",
+    "data.prompt_key",
+    "data.answer_key",
+    "data.task_source_key",
+    "data.agent_ref_key",
+    "data.num_prompts",
+    "data.shuffle",
+    "data.seed",
+    "data.prompt_format",
+    "data.system_prompt",
+    "data.messages_key",
     "env.name",
     "env.target",
     "env.kwargs",
+    # agents: the sampling a request may ask for, and the episodes' limits and deadlines
+    "policy.generation.http_server.allow_sampling_overrides",
+    "env.agent.max_turns",
+    "env.agent.max_tokens_per_turn",
+    "env.agent.max_tokens_per_episode",
+    "env.agent.call_timeout_s",
+    "env.agent.episode_timeout_s",
 )
+
+
+# The dotpaths of the distillation teacher set: a restart whose teachers differ from the
+# checkpoint's is refused whatever rollout_checkpointing.on_config_change says (the
+# checkpoint's rows hold the old teachers' logprobs and teacher indices).
+TEACHER_SET_PREFIX = "on_policy_distillation.teachers"
 
 
 def _segments(pattern: str) -> list[str]:

@@ -6,11 +6,13 @@ the committed groups it makes selectable again, the unfinished groups it redispa
 recovery granularity stored for each and the siblings already staged), and why every other
 bundle is skipped (damaged — with the reason —, older, or written under a different config —
 with the changed dotpaths), and what the commit log adds on top of the chosen bundle (records,
-groups it restores or reopens, torn tails ignored), and how each model folder of the chosen
+groups it restores or reopens, torn tails ignored), how each model folder of the chosen
 trainer checkpoint is laid out (one process's files, or a sharded trainer's DCP shards: at how
-many ranks, which files, any missing). With a config, it also compares the
-config identities the chosen rollout state was generated under with the given config's,
-lists every changed dotpath, and says what a restart does under the configured
+many ranks, which files, any missing), the validation passes it re-opens, and —
+with ``checkpointing.metric_name`` — which trainer checkpoint is the best and why (scores from
+the run journal's reported passes, ``tandemrl.checkpoint.best``). With a config, it also
+compares the config identities the chosen rollout state was generated under with the given
+config's, lists every changed dotpath, and says what a restart does under the configured
 ``rollout_checkpointing.on_config_change`` and under each of the others. Without a config the
 restore mode is taken as ``latest`` and no fingerprint is checked; the result says so.
 ``inspect_command`` prints it as text or JSON.
@@ -23,8 +25,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tandemrl.checkpoint.best import best_record, explain, read_best_record, score_of
 from tandemrl.checkpoint.commit_log import branch_records, fold, list_segments, read_log
 from tandemrl.checkpoint.commit_replay import commit_log_dir
+from tandemrl.checkpoint.journal import read_journal, reported_validations
 from tandemrl.checkpoint.layout import (
     JOURNAL,
     MANIFEST,
@@ -108,6 +112,14 @@ def _rollout_summary(directory: Path) -> dict[str, Any]:
         "shadow_prompts": len(state.shadow_prompts),
         "replacement_reserve": len(state.replacement_reserve),
         "commit_log_next_lsn": state.commit_log_next_lsn,
+        "validation_open": [
+            {
+                "version": int(entry["version"]),
+                "pending_prompts": len(entry.get("pending", [])),
+                "finished_prompts": len(entry.get("results", [])),
+            }
+            for entry in (state.validation or {}).get("open", [])
+        ],
     }
 
 
@@ -184,6 +196,36 @@ def _trainer_version(plan: RestorePlan) -> int:
     return plan.step
 
 
+def _best_checkpoint(
+    checkpoint_dir: Path, cfg: MasterConfig | None, resumed_step: int
+) -> dict[str, Any] | None:
+    """The best trainer checkpoint by the run's metric (``--config``, else the one the run
+    recorded in best_checkpoint.json), ranked with the passes its lineage reported."""
+    recorded = read_best_record(checkpoint_dir)
+    if cfg is not None and cfg.checkpointing.metric_name is not None:
+        name, higher = cfg.checkpointing.metric_name, cfg.checkpointing.higher_is_better
+    elif recorded is not None and isinstance(recorded.get("metric_name"), str):
+        name, higher = recorded["metric_name"], bool(recorded.get("higher_is_better", True))
+    else:
+        return None
+    journal = checkpoint_dir / JOURNAL
+    events = read_journal(journal) if journal.is_file() else []
+    # What a restart from here would rank with: reports of versions above the resumed step
+    # are voided (those steps are trained again).
+    events.append({"event": "start", "resumed_step": resumed_step})
+    scores = {}
+    for version, metrics in reported_validations(events).items():
+        value = score_of(metrics, name)
+        if value is not None:
+            scores[version] = value
+    on_disk = [step for step, _ in list_step_dirs(checkpoint_dir)]
+    record = best_record(
+        checkpoint_dir, metric_name=name, higher_is_better=higher, scores=scores, on_disk=on_disk
+    )
+    record["why"] = explain(record, on_disk)
+    return record
+
+
 def describe_checkpoint_dir(path: str | Path, cfg: MasterConfig | None = None) -> dict[str, Any]:
     """What a restart from ``path`` would resume; pure (reads, never writes). JSON-able."""
     checkpoint_dir = Path(path)
@@ -217,6 +259,7 @@ def describe_checkpoint_dir(path: str | Path, cfg: MasterConfig | None = None) -
         "commit_log": None,
         "models": {},
         "config_change": None,
+        "best_checkpoint": None,
     }
     try:
         plan = plan_restore_dir(checkpoint_dir, restore_mode=restore_mode, current=current)
@@ -249,6 +292,10 @@ def describe_checkpoint_dir(path: str | Path, cfg: MasterConfig | None = None) -
         # Digests matched but the content does not parse: a restart fails here too.
         result.update(outcome="error", error=str(exc))
         return result
+    try:
+        result["best_checkpoint"] = _best_checkpoint(checkpoint_dir, cfg, plan.step)
+    except ValueError as exc:  # a corrupt journal line
+        result["notes"].append(f"best checkpoint not ranked: {exc}")
     change = plan.config_change
     if change is not None:
         result["config_change"] = {
@@ -363,6 +410,14 @@ def render_text(info: dict[str, Any]) -> str:
                 policy = f"discards {len(staged)} staged sibling(s), regenerates every sibling"
             lines.append(f"  {group['group_id']:<14} {group['granularity']:<12} {policy}")
         lines.append(f"replacement reserve: {resume['replacement_reserve']} prompt(s)")
+        for opened in resume["validation_open"]:
+            lines.append(
+                f"validation pass of version {opened['version']} re-opened: "
+                f"{opened['pending_prompts']} prompt(s) to evaluate, "
+                f"{opened['finished_prompts']} kept"
+            )
+    if info.get("best_checkpoint") is not None:
+        lines.append(info["best_checkpoint"]["why"])
     commit_log = info.get("commit_log")
     if commit_log is not None:
         lines.append(

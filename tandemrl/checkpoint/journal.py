@@ -7,8 +7,11 @@ which the reader drops):
   committed groups and staged siblings its restore brought back.
 - ``staged``: siblings of a group finished (generated and scored), before the group commits.
 - ``generated``: a group committed; which siblings were generated fresh in this attempt and
-  which were reused from token-capture staging.
+  which were reused from token-capture staging (on-policy distillation: and how many teacher
+  passes this attempt ran for it).
 - ``trained``: a step closed; the groups it trained.
+- ``validation_opened``: a validation pass opened at a trainer version (or was re-opened by a
+  restart); ``validated``: it finished, with the metrics it reported.
 
 ``RunJournal`` implements the pumps' ``OwnershipEvents`` (``tandemrl.rollout.events``): it
 records ``staged``, ``committed`` (as ``generated``), ``evicted`` and ``trained``, and ignores
@@ -21,7 +24,9 @@ attempts. The chaos tests prove exactly-once training from it, and that no finis
 sibling was generated again (``finished_again``). Each ``start`` also records the attempt's
 config fingerprint and what a config change did (``config_change``), so the lineage can say,
 for every trained group, under which attempt's config it was generated
-(``trained_under_another_config``).
+(``trained_under_another_config``). ``reported_validations`` replays it the same way into the
+validation passes reported in the current lineage: a restart re-opens a pass only when none of
+them reported its version, so no version is reported twice.
 """
 
 from __future__ import annotations
@@ -65,11 +70,21 @@ class RunJournal:
     async def committed(
         self, group: UnfinishedGroup, slot: Slot, *, end_weight: int, fresh_siblings: list[int]
     ) -> None:
-        self.generated(group.group_id, fresh_siblings)
+        self.generated(group.group_id, fresh_siblings, teacher_passes_of(group))
 
-    def generated(self, group_id: str, fresh_siblings: list[int]) -> None:
+    def generated(
+        self, group_id: str, fresh_siblings: list[int], teacher_passes: int | None = None
+    ) -> None:
         # May run on the commit log's writer thread (``record`` takes the lock).
-        self.record("generated", group_id=group_id, fresh_siblings=fresh_siblings)
+        if teacher_passes is None:
+            self.record("generated", group_id=group_id, fresh_siblings=fresh_siblings)
+            return
+        self.record(
+            "generated",
+            group_id=group_id,
+            fresh_siblings=fresh_siblings,
+            teacher_passes=teacher_passes,
+        )
 
     def dropped(self, group: UnfinishedGroup) -> None:
         pass
@@ -79,6 +94,9 @@ class RunJournal:
 
     def evicted(self, group_ids: list[str]) -> None:
         self.record("evicted", groups=group_ids)
+
+    def filtered(self, group_ids: list[str]) -> None:
+        self.record("filtered", groups=group_ids)
 
     def trained(self, step: int, group_ids: list[str]) -> None:
         self.record("trained", step=step, groups=group_ids)
@@ -94,6 +112,13 @@ class RunJournal:
         self._handle.flush()
         os.fsync(self._handle.fileno())
         self._handle.close()
+
+
+def teacher_passes_of(group: UnfinishedGroup) -> int | None:
+    """On-policy distillation: the teacher passes this attempt ran for a committing group (0:
+    its teacher logprobs came back from a checkpoint with its staged siblings); None when the
+    group carries no teacher logprobs."""
+    return None if group.teacher_logprobs is None else group.teacher_passes
 
 
 def read_journal(path: Path) -> list[dict[str, Any]]:
@@ -186,3 +211,20 @@ def lineage(events: list[dict[str, Any]]) -> Lineage:
                 ) in restored_staged.get(attempt, set()):
                     result.regenerated_after_restore.append(f"{group}/{sibling}")
     return result
+
+
+def reported_validations(events: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Version -> metrics row of every validation pass reported in the current lineage: a
+    ``start`` that resumed after step N voids the reports of versions above N (those steps
+    are trained again, and their passes run again); a fresh start (no bundle: ``source``
+    null) voids them all, as it starts the run's logs over."""
+    reported: dict[int, dict[str, Any]] = {}
+    for event in events:
+        kind = event["event"]
+        if kind == "start":
+            resumed = int(event.get("resumed_step", 0))
+            fresh = "source" in event and event["source"] is None
+            reported = {v: row for v, row in reported.items() if v <= resumed and not fresh}
+        elif kind == "validated":
+            reported[int(event["version"])] = dict(event.get("metrics") or {})
+    return reported

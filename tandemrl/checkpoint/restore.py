@@ -20,7 +20,8 @@ records the restart replays. When one of them differs from the current config's
 listing every changed dotpath, and ``rollout_checkpointing.on_config_change`` decides:
 ``refuse`` (``plan_restore`` raises ``RestoreRefused``; nothing was started or modified),
 ``drop_rollouts`` (``restore_run`` turns every restored committed and unfinished group into
-one generated again) or ``keep``. After either of the last two, ``resume`` writes a rollout
+one generated again) or ``keep`` (refused when the distillation teacher set changed: the rows
+hold the old teachers' logprobs). After either of the last two, ``resume`` writes a rollout
 snapshot at once under the new identity, so the choice is made once.
 
 Applying a plan (``restore_run``) loads the models and re-installs the chosen rollout state
@@ -49,6 +50,7 @@ from tandemrl.checkpoint.commit_replay import (
 )
 from tandemrl.checkpoint.fingerprint import (
     BUILTIN_EXCLUDED_PATHS,
+    TEACHER_SET_PREFIX,
     compatibility_identity,
     excluded_patterns,
     fingerprint_digest,
@@ -90,6 +92,7 @@ ON_CONFIG_CHANGE = ("refuse", "drop_rollouts", "keep")
 UNRESUMABLE_CHANGES = (
     "grpo.num_generations_per_prompt",
     "ppo.num_generations_per_prompt",
+    "on_policy_distillation.num_generations_per_prompt",
     "async_rl.sampler.name",
 )
 
@@ -253,6 +256,16 @@ def config_change_refusal(plan: RestorePlan) -> str | None:
     if change.policy == "refuse":
         return change.refusal(plan.rollout_dir)
     unresumable = [line for line in change.changes if line.split(":")[0] in UNRESUMABLE_CHANGES]
+    teachers = [line for line in change.changes if line.startswith(TEACHER_SET_PREFIX)]
+    if change.policy == "keep" and teachers:
+        return (
+            f"the rollout state in {plan.rollout_dir} was scored by other distillation teachers "
+            f"({'; '.join(teachers)}): its rows hold those teachers' logprobs, so "
+            "rollout_checkpointing.on_config_change=keep would train toward the old teachers. "
+            "Set it to drop_rollouts (the groups are generated and scored again), restart with "
+            "the original on_policy_distillation.teachers, or choose a new "
+            "checkpointing.checkpoint_dir. Nothing was started or modified."
+        )
     if not unresumable:
         return None
     return (

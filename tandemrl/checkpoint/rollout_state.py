@@ -73,6 +73,7 @@ async def write_rollout_state(
         "budgets": state.budgets,
         "shadow": state.replay_index is None,
         "commit_log": {"next_lsn": state.commit_log_next_lsn},
+        "validation": state.validation,
     }
     (directory / TRAIN_STATE).write_text(json.dumps(train_state, indent=2, sort_keys=True))
     return digests
@@ -117,7 +118,17 @@ def read_rollout_state(directory: Path) -> RolloutState:
         shadow_prompts=list(recovery.get("shadow_prompts", [])),
         commit_log_next_lsn=next_lsn,
         row_digests=row_digests or {},
+        validation=dict(train_state.get("validation") or {}),
     )
+
+
+def open_validation_versions(directory: Path) -> list[int]:
+    """Versions of the validation passes a bundle holds open (read-only; [] when none)."""
+    try:
+        train_state = json.loads((directory / TRAIN_STATE).read_text())
+        return [int(entry["version"]) for entry in train_state["validation"].get("open", [])]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return []
 
 
 def unfinished_groups(state: RolloutState) -> list[UnfinishedGroup]:

@@ -7,7 +7,8 @@ the replacement reserve and the sampler's dispatch position. The rows and the in
 under the checkpoint barrier, so they describe the same groups.
 
 Periodic rollout snapshot (``rollout_checkpointing.snapshot_attempt_interval_s``): the rollout
-state alone, anchored on the trainer checkpoint of the current step. An attempt after step N
+state alone, anchored on the trainer checkpoint of the current step (and one more at a graceful
+stop whose step is already checkpointed). An attempt after step N
 succeeds only when ``step_N`` is durable; before the first step, snapshots are anchored on the
 bootstrap manifest (initial model + config fingerprint). ``keep_latest_k`` snapshots are kept
 per anchor; bootstrap snapshots are removed once a trainer checkpoint is durable.
@@ -16,6 +17,10 @@ Commit log (``rollout_checkpointing.commit_log``): a bundle records the log posi
 capture and is published only once the log is durable up to it; after each write, log
 segments that no selectable bundle replays any more are removed, and every trainer checkpoint
 starts a new segment.
+
+Best checkpoint (``checkpointing.metric_name``): validation passes score the checkpoint of the
+version they evaluated (``note_validation``); retention keeps the best one besides the latest
+``keep_top_k`` and records it in ``best_checkpoint.json`` (``tandemrl.checkpoint.best``).
 
 The writer is built with what it writes — the ``RunState`` (captured with ``capture``), the
 data plane, the checkpoint barrier, the models by folder name (``policy``, ``value``) and the
@@ -34,6 +39,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from tandemrl.barrier import CheckpointBarrier
+from tandemrl.checkpoint.best import BEST_FILE, best_record, choose_best, score_of, steps_to_keep
 from tandemrl.checkpoint.commit_log import CommitLog, needed_from_lsn
 from tandemrl.checkpoint.fingerprint import compatibility_identity, fingerprint_digest
 from tandemrl.checkpoint.layout import (
@@ -109,6 +115,9 @@ class CheckpointWriter:
         self.snapshots_written = 0
         self.snapshots_skipped = 0
         self._snapshot_lock = asyncio.Lock()
+        # Trainer version -> value of checkpointing.metric_name its validation pass reported.
+        self.validation_scores: dict[int, float] = {}
+        self._warned_missing_metric = False
 
     # ------------------------------------------------------------------ trainer checkpoints
 
@@ -199,11 +208,66 @@ class CheckpointWriter:
         }
 
     def _retain_trainer_checkpoints(self) -> None:
-        keep = self.cfg.checkpointing.keep_top_k
-        if keep is None:
+        ckpt = self.cfg.checkpointing
+        steps = list_step_dirs(self.checkpoint_dir)
+        best = None
+        if ckpt.metric_name is not None:
+            best = choose_best(
+                self.validation_scores,
+                [step for step, _ in steps],
+                higher_is_better=ckpt.higher_is_better,
+            )
+        if ckpt.keep_top_k is not None:
+            pending = [] if self.run.validation is None else self.run.validation.open_versions()
+            kept = steps_to_keep(
+                [step for step, _ in steps], keep_latest=ckpt.keep_top_k, best=best, pending=pending
+            )
+            for step, path in steps:
+                if step not in kept:
+                    shutil.rmtree(path, ignore_errors=True)
+        if ckpt.metric_name is not None:
+            on_disk = [step for step, _ in list_step_dirs(self.checkpoint_dir)]
+            record = best_record(
+                self.checkpoint_dir,
+                metric_name=ckpt.metric_name,
+                higher_is_better=ckpt.higher_is_better,
+                scores=self.validation_scores,
+                on_disk=on_disk,
+            )
+            write_json_atomic(self.checkpoint_dir / BEST_FILE, record)
+
+    # ------------------------------------------------------------------ best checkpoint
+
+    def seed_validation_scores(self, reported: Mapping[int, Mapping[str, Any]]) -> None:
+        """Scores of the passes a restored run's lineage reported (from the run journal)."""
+        name = self.cfg.checkpointing.metric_name
+        if name is None:
             return
-        for _, path in list_step_dirs(self.checkpoint_dir)[:-keep]:
-            shutil.rmtree(path, ignore_errors=True)
+        for version, metrics in reported.items():
+            value = score_of(metrics, name)
+            if value is not None:
+                self.validation_scores[version] = value
+
+    def note_validation(self, version: int, metrics: Mapping[str, Any]) -> None:
+        """A validation pass of ``version`` reported ``metrics``: rank step_<version> by it."""
+        name = self.cfg.checkpointing.metric_name
+        if name is None:
+            return
+        value = score_of(metrics, name)
+        if value is None:
+            if not self._warned_missing_metric:
+                self._warned_missing_metric = True
+                log.warning(
+                    "checkpointing.metric_name=%r: the validation pass of version %d reported "
+                    "no finite value for it (reported: %s); its checkpoint is not ranked",
+                    name,
+                    version,
+                    ", ".join(sorted(metrics)),
+                )
+            return
+        self.validation_scores[version] = value
+        if self.checkpoint_dir.is_dir():
+            self._retain_trainer_checkpoints()
 
     def _drop_bootstrap_snapshots(self) -> None:
         root = bootstrap_dir(self.checkpoint_dir)
@@ -211,6 +275,11 @@ class CheckpointWriter:
             shutil.rmtree(root, ignore_errors=True)
 
     # ------------------------------------------------------------------ rollout snapshots
+
+    @property
+    def snapshots_enabled(self) -> bool:
+        """Periodic rollout snapshots are on (``snapshot_attempt_interval_s``)."""
+        return self.cfg.rollout_checkpointing.snapshot_attempt_interval_s is not None
 
     def ensure_bootstrap_anchor(self) -> Path:
         root = bootstrap_dir(self.checkpoint_dir)

@@ -1,9 +1,10 @@
 """Typed models of the master config: every key a user may write, with its default.
 
-The keys follow the reference spec (``policy.generation.*``, ``grpo.*``, ``ppo.*``, ``value.*``,
-``loss_fn.*``, ``async_rl.*``, ``data_plane.*``, ``checkpointing.*``, ``rollout_checkpointing.*``,
-``token_capture.*``, ``rollout_recovery.*``) plus this project's ``data``, ``env``, ``cluster`` and
-``logger`` blocks. Every model forbids unknown keys; cross-field rules live in ``validate.py`` so
+The keys follow the reference spec (``policy.generation.*``, ``grpo.*``, ``ppo.*``,
+``on_policy_distillation.*``, ``value.*``, ``loss_fn.*``, ``async_rl.*``, ``data_plane.*``,
+``checkpointing.*``, ``rollout_checkpointing.*``, ``token_capture.*``, ``rollout_recovery.*``)
+plus this project's ``data``, ``env``, ``cluster`` and ``logger`` blocks. Every model forbids
+unknown keys; cross-field rules live in ``validate.py`` so
 that all violations can be reported together.
 """
 
@@ -99,6 +100,25 @@ class TorchGenerationConfig(Strict):
     steps_per_launch: int = Field(1, ge=1)
 
 
+class HttpServerConfig(Strict):
+    """The OpenAI-compatible policy endpoint agents talk to (tandemrl/agents/server.py)."""
+
+    # Serve it (in the controller's process, in front of the generation workers); agents get
+    # an HTTP client pointed at it (env.agent.client: auto).
+    enabled: bool = False
+    # Loopback by default; an address (or 0.0.0.0) for agents on other nodes.
+    host: str = "127.0.0.1"
+    # 0: a free port, picked when the server starts.
+    port: int = Field(0, ge=0, le=65535)
+    # The one `model` a request may name; GET /v1/models lists it.
+    served_model_name: str = Field("policy", min_length=1)
+    # A request body above this many bytes is refused (400).
+    max_request_bytes: int = Field(1_048_576, ge=1024)
+    # True: a request may ask for another temperature/top_p than policy.generation's (the
+    # logprobs are then those of the requested distribution); false refuses it (400).
+    allow_sampling_overrides: bool = False
+
+
 class GenerationConfig(Strict):
     backend: Literal["torch", "vllm", "megatron", "fake"] = "torch"
     temperature: float = Field(1.0, ge=0.0)
@@ -124,6 +144,13 @@ class GenerationConfig(Strict):
     weight_sync_timeout_s: float = Field(120.0, gt=0.0)
     # Only for backend "fake" (tests and benchmarks): per-request latency model.
     fake_latency: dict[str, Any] | None = None
+    # The reference spec's expose_http_server: an OpenAI-compatible endpoint for agents.
+    http_server: HttpServerConfig = HttpServerConfig()
+    # Sampling of validation passes (grpo/ppo.val_*): greedy (0) by default. Top-k is not
+    # supported by the engines: val_top_k may only be null, <= 0 (off), or 1 (greedy).
+    val_temperature: float = Field(0.0, ge=0.0)
+    val_top_p: float = Field(1.0, gt=0.0, le=1.0)
+    val_top_k: int | None = None
 
 
 class DTensorConfig(Strict):
@@ -193,6 +220,31 @@ class PolicyConfig(Strict):
 # --------------------------------------------------------------------------- algorithms
 
 
+class RewardScalingConfig(Strict):
+    """``reward_scaling``: each reward clamped to [source_min, source_max], then mapped
+    linearly onto [target_min, target_max] (NeMo-RL's keys and defaults)."""
+
+    enabled: bool = False
+    source_min: float = 0.0
+    source_max: float = 1.0
+    target_min: float = 0.0
+    target_max: float = 1.0
+
+
+class RewardShapingConfig(Strict):
+    """``reward_shaping``: DAPO's overlong penalty by completion length, or NeMo-RL's
+    stop-properly penalty on truncated completions (tandemrl/training/rewards.py)."""
+
+    enabled: bool = False
+    # Overlong penalty: a completion longer than max_response_length - overlong_buffer_length
+    # tokens loses overlong_buffer_penalty x (excess / overlong_buffer_length).
+    overlong_buffer_length: int | None = Field(None, ge=1)
+    overlong_buffer_penalty: float | None = Field(None, ge=0.0)
+    max_response_length: int | None = Field(None, ge=1)
+    # Instead: a truncated completion's reward is multiplied by this factor (0: no reward).
+    stop_properly_penalty_coef: float | None = Field(None, ge=0.0, le=1.0)
+
+
 class AlgorithmCommon(Strict):
     num_prompts_per_step: int = Field(16, ge=1)
     num_generations_per_prompt: int = Field(8, ge=1)
@@ -200,14 +252,28 @@ class AlgorithmCommon(Strict):
     # Must be positive: the rollout pump stops when the epoch counter reaches it.
     max_num_epochs: int = 1000
     seed: int = 42
-    # Refused by validation (not implemented on the single-controller path); kept as keys so
-    # that a ported config gets a message that names them instead of "unknown key".
-    val_period: int = 0
+    # Validation passes over data.validation (tandemrl/controller/validation.py): every
+    # val_period trainer versions (0: none), of the initial weights (val_at_start) and of the
+    # final ones (val_at_end).
+    val_period: int = Field(0, ge=0)
     val_at_start: bool = False
     val_at_end: bool = False
-    reward_shaping: dict[str, Any] | None = None
-    reward_scaling: dict[str, Any] | None = None
+    # Held-out prompts per pass: the first max_val_samples of data.validation (None: all).
+    max_val_samples: int | None = Field(None, ge=1)
+    # Validation prompts in flight at once, out of async_rl.max_inflight_prompts (training
+    # keeps the rest). None: a quarter of max_inflight_prompts, at least 1.
+    val_batch_size: int | None = Field(None, ge=1)
+    # Completions per validation prompt: the k of val/pass@k.
+    val_num_generations: int = Field(1, ge=1)
+    # Applied to every completion's reward before it is stored: scaling, then shaping.
+    reward_shaping: RewardShapingConfig | None = None
+    reward_scaling: RewardScalingConfig | None = None
+    # GRPO: DAPO dynamic sampling. A selected group whose rewards are all equal (advantage 0
+    # for every member) is dropped and the step keeps filling from the buffer; a step drops at
+    # most (dynamic_sampling_max_gen_batches - 1) x num_prompts_per_step groups, beyond which
+    # it trains what comes (tandemrl/controller/dynamic_sampling.py).
     use_dynamic_sampling: bool = False
+    dynamic_sampling_max_gen_batches: int = Field(10, ge=1)
     # Exclude truncated completions (hit max_new_tokens) from the loss through sample_mask.
     overlong_filtering: bool = False
 
@@ -239,6 +305,59 @@ class PPOConfig(AlgorithmCommon):
     async_ppo: dict[str, Any] | None = None
 
 
+class TeacherConfig(Strict):
+    """One teacher of an on-policy distillation run: a frozen model that scores the student's
+    own tokens, and which rows it serves (``task_sources``, ``agent_refs``, or ``default``)."""
+
+    # Its name in metrics and messages; None: "teacher<index>".
+    name: str | None = None
+    # A local transformers causal-LM folder or a "tiny://<preset>"; its tokenizer must be the
+    # student's (checked by validation for presets, before the run for folders).
+    model_name: str
+    # "auto": CUDA when the run trains on GPUs, else CPU.
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # "auto": bfloat16 on CUDA, float32 on CPU.
+    precision: Literal["auto", "float32", "bfloat16"] = "auto"
+    # Teacher worker processes (Ray actors); calls go to the one with the fewest outstanding.
+    num_workers: int = Field(1, ge=1)
+    # GPUs each worker takes on a GPU run, on devices of their own (colocated_with_trainer
+    # false); a share below 1 packs several workers onto one GPU.
+    gpus_per_worker: float = Field(1.0, gt=0.0, le=1.0)
+    # GPU runs: the workers share the trainer's GPU (half of it in Ray's accounting) instead
+    # of taking their own; a worker refuses to start when the GPU lacks room for its weights.
+    colocated_with_trainer: bool = False
+    # Sequences scored per forward pass.
+    micro_batch_size: int = Field(64, ge=1)
+    # Rows whose data.task_source_key value is one of these (first routing rule).
+    task_sources: list[str] = []
+    # Rows whose data.agent_ref_key value is one of these (second rule).
+    agent_refs: list[str] = []
+    # Rows no other rule matched (at most one teacher).
+    default: bool = False
+
+
+class OnPolicyDistillationConfig(AlgorithmCommon):
+    """The student generates, a teacher scores the student's own tokens, and the student is
+    trained toward it: per token t, A_t = -kl_coef * clamp(log p_student - log p_teacher)
+    (+ reward_coef * the GRPO advantage of the environment reward), through the clipped
+    policy loss (docs/distillation.md)."""
+
+    teachers: list[TeacherConfig] = []
+    # Weight of the per-token reverse-KL advantage.
+    kl_coef: float = Field(1.0, ge=0.0)
+    # Weight of the environment reward's group advantage mixed in (0: pure distillation).
+    reward_coef: float = Field(0.0, ge=0.0)
+    # The per-token log ratio student - teacher is clamped to +-this (None: unclamped).
+    log_ratio_clamp: float | None = Field(10.0, gt=0.0)
+    # The reward advantage (reward_coef > 0) as in grpo.*.
+    normalize_rewards: bool = True
+    use_leave_one_out_baseline: bool = True
+    # Where teachers score a group: "rollout" (a rollout-pump stage before the group commits,
+    # overlapping training) or "train" (in the train pump, beside the trainer's own logprob
+    # pass, before the loss). benchmarks/distill_placement.py measures both.
+    teacher_scoring: Literal["rollout", "train"] = "rollout"
+
+
 class ValueConfig(Strict):
     # None: same folder as policy.model_name, with a fresh scalar value head.
     model_name: str | None = None
@@ -266,8 +385,22 @@ class ImportanceSamplingConfig(Strict):
 
 
 class LossConfig(Strict):
+    # The PPO ratio is clipped to [1 - ratio_clip_min, 1 + ratio_clip_max]; the two may differ
+    # (DAPO's clip-higher: a larger ratio_clip_max).
     ratio_clip_min: float = Field(0.2, ge=0.0)
     ratio_clip_max: float = Field(0.2, ge=0.0)
+    # Dual-clip PPO: on tokens with a negative advantage the loss is at most -c x A, so a huge
+    # ratio cannot push the policy arbitrarily far. None: off; NeMo-RL's usual value is 3.
+    ratio_clip_c: float | None = Field(None, gt=1.0)
+    # beta of a KL penalty to a frozen reference policy (the initial weights of
+    # policy.model_name, held by the policy worker): loss_t += beta x KL_t. 0: off.
+    reference_policy_kl_penalty: float = Field(0.0, ge=0.0)
+    # Per-token estimator of KL(pi || pi_ref) from the sampled token, with
+    # logr = log pi_ref - log pi: k1 = -logr, k2 = logr^2 / 2, k3 = exp(logr) - 1 - logr.
+    reference_policy_kl_type: Literal["k1", "k2", "k3"] = "k3"
+    # logr is clamped to [-input, input] and the per-token KL to [-output, output]; None: off.
+    kl_input_clamp_value: float | None = Field(20.0, gt=0.0)
+    kl_output_clamp_value: float | None = Field(10.0, gt=0.0)
     # In a master config it defaults to whether the sampler admits off-policy data
     # (MasterConfig._derive_defaults); False for a LossConfig built on its own.
     use_importance_sampling_correction: bool = False
@@ -305,6 +438,9 @@ class WindowedSamplerConfig(Strict):
     name: Literal["windowed"]
     max_staleness_versions: int = Field(1, ge=0)
     sample_freshest_first: bool = False
+    # Cap dispatch at ceil(ratio x num_prompts_per_step) groups beyond what the window can
+    # still train (tandemrl/samplers/windowed.py); None: ungated, the buffer is the only cap.
+    over_sampling_ratio: float | None = Field(None, ge=0.0)
 
 
 class CustomSamplerConfig(BaseModel):
@@ -374,6 +510,14 @@ class AsyncRLConfig(Strict):
     # Backpressure cap on prompt groups being generated at once.
     max_inflight_prompts: int = Field(32, ge=1)
     recompute_kv_cache_after_weight_updates: bool = False
+    # True: a weight sync reaches generation while requests are in flight (they finish on the
+    # new weights). False: the drain gate — before each sync, admit nothing, let the requests
+    # in flight finish on the old weights, sync, reopen; every completion then comes from
+    # one weight version.
+    in_flight_weight_updates: bool = True
+    # Drain gate only: the longest wait for in-flight requests; the ones still generating
+    # then are aborted and generated again on the new weights (0: abort at once).
+    drain_timeout_s: float = Field(60.0, ge=0.0)
     rollout_failure: RolloutFailureConfig = RolloutFailureConfig()
     stall_watchdog: StallWatchdogConfig = StallWatchdogConfig()
 
@@ -400,6 +544,10 @@ class CheckpointingConfig(Strict):
     save_optimizer: bool = True
     # Trainer checkpoints kept on disk (oldest removed first); None keeps all.
     keep_top_k: int | None = Field(None, ge=1)
+    # A validation metric (e.g. val/reward_mean): the best trainer checkpoint by it is kept
+    # besides the latest keep_top_k. None: no ranking.
+    metric_name: str | None = None
+    higher_is_better: bool = True
     # On SIGTERM/SIGINT: seconds to finish the step in flight and write the last checkpoint
     # before the run is stopped without one.
     preemption_grace_s: float = Field(120.0, gt=0.0)
@@ -425,7 +573,13 @@ class RolloutCheckpointingConfig(Strict):
 
 
 class TokenCaptureConfig(Strict):
+    # Finished siblings (agent episodes too) are kept with their tokens in the ownership
+    # ledger and the commit log, so a restart or a retry never regenerates them.
     enabled: bool = False
+    # Agent episodes (env.name: agent): what to do when a turn's prompt does not start with
+    # the previous turn's prompt + completion ids. split: the turn starts a new training row
+    # (counted as agent/prefix_split_frac); error: the episode fails (a data failure).
+    on_prefix_mismatch: Literal["split", "error"] = "split"
 
 
 Granularity = Literal["sibling", "prompt_group"]
@@ -462,16 +616,47 @@ class DataConfig(Strict):
     # chat only: the JSONL field that may hold a whole conversation, a list of
     # {"role": ..., "content": ...}; a row with it needs no prompt_key field.
     messages_key: str = "messages"
+    # Held-out prompts for validation passes: a source like `dataset` (a JSONL file read with
+    # the same *_key mapping, or a builtin://), never trained on. None: no validation data.
+    validation: str | None = None
+
+
+class AgentConfig(Strict):
+    """Multi-turn agents (env.name: agent); see docs/agents.md."""
+
+    # How an agent reaches the policy: http (an openai.AsyncOpenAI client on the endpoint,
+    # policy.generation.http_server), in_process (a client with the same surface that calls
+    # the policy directly), auto (http when the endpoint is enabled, else in_process).
+    client: Literal["auto", "http", "in_process"] = "auto"
+    # Calls (turns) one episode may make; the call after the last is refused (409) and the
+    # episode ends truncated.
+    max_turns: int = Field(8, ge=1)
+    # Tokens one turn may generate (a request's max_tokens is cut to it); None:
+    # policy.generation.max_new_tokens.
+    max_tokens_per_turn: int | None = Field(None, ge=1)
+    # Tokens the episode's turns may generate together; None: no limit beyond the context
+    # (policy.max_total_sequence_length, prompt + completion of each call).
+    max_tokens_per_episode: int | None = Field(None, ge=1)
+    # Deadline of one call's generation, in awake time (frozen while a colocated engine stands
+    # down); None: none. Passing it is an infrastructure failure of the episode.
+    call_timeout_s: float | None = Field(None, gt=0.0)
+    # Deadline of one whole agent run, in awake time; passing it is a data failure of the
+    # sibling (an agent or tool that hangs).
+    episode_timeout_s: float = Field(300.0, gt=0.0)
 
 
 class EnvConfig(Strict):
-    name: Literal["counting", "math", "custom"] = "counting"
-    # env.name == custom: "module:ClassName" of an Environment subclass.
+    name: Literal["counting", "math", "custom", "agent"] = "counting"
+    # env.name == custom: "module:ClassName" of an Environment subclass; env.name == agent:
+    # "module:ClassName" of a tandemrl.agents.Agent subclass.
     target: str | None = None
     kwargs: dict[str, Any] = {}
-    # env.name == custom: directories put first on the import path of the process that builds
-    # the environment (the controller actor), relative ones against its working directory.
+    # env.name == custom or agent: directories put first on the import path of the process
+    # that builds the environment (the controller actor), relative ones against its working
+    # directory.
     python_path: list[str] = []
+    # env.name == agent: limits and deadlines of the agent episodes.
+    agent: AgentConfig = AgentConfig()
 
 
 class ActorResourcesConfig(Strict):
@@ -491,6 +676,10 @@ class ClusterConfig(Strict):
     num_gpus: int | None = Field(None, ge=0)
     namespace: str = "tandemrl"
     actor_resources: ActorResourcesConfig = ActorResourcesConfig()
+    # Whether the run's actors report their calls to Ray's task-event store in the GCS (what
+    # `ray list tasks` and the dashboard's task view read). Each call is a record there, kept
+    # until the store's cap (docs/long_runs.md); off, a long run's GCS stays flat.
+    ray_task_events: bool = False
 
 
 class WandbConfig(Strict):
@@ -542,6 +731,7 @@ class MasterConfig(Strict):
     policy: PolicyConfig = PolicyConfig()
     grpo: GRPOConfig | None = None
     ppo: PPOConfig | None = None
+    on_policy_distillation: OnPolicyDistillationConfig | None = None
     value: ValueConfig | None = None
     value_loss_fn: ValueLossConfig | None = None
     loss_fn: LossConfig = LossConfig()
@@ -565,7 +755,8 @@ class MasterConfig(Strict):
         ``min_groups_for_streaming_train`` = num_prompts_per_step (whole-step batches);
         ``max_buffered_rollouts`` and ``max_inflight_prompts`` = num_prompts_per_step x
         (lookahead + 1), never below the sampler's required capacity (a custom sampler:
-        2 x and 1 x num_prompts_per_step); ``loss_fn.use_importance_sampling_correction`` =
+        2 x and 1 x num_prompts_per_step; windowed with ``over_sampling_ratio``: its dispatch
+        cap, so that the cap is what limits dispatch); ``loss_fn.use_importance_sampling_correction`` =
         whether the sampler admits off-policy data. A minimal config is then valid, and means
         the same whichever of these it spells out.
         """
@@ -588,6 +779,9 @@ class MasterConfig(Strict):
             if widest is None:  # windowed: ungated, its window is max_staleness_versions
                 widest = sampler.max_staleness_versions
             window = n * (widest + 1)
+            limit = getattr(built, "dispatch_limit", lambda: None)()
+            if limit is not None:  # windowed with over_sampling_ratio: room for the cap
+                window = limit
             buffered = max(window, built.required_buffer_capacity(n))
             inflight = window
             off_policy = built.off_policy_reason() is not None
@@ -598,16 +792,50 @@ class MasterConfig(Strict):
         return data
 
     @property
-    def algorithm(self) -> GRPOConfig | PPOConfig:
+    def algorithm(self) -> GRPOConfig | PPOConfig | OnPolicyDistillationConfig:
         """The one algorithm block present (validation guarantees exactly one)."""
-        block = self.ppo if self.ppo is not None else self.grpo
-        if block is None:
-            raise ValueError("config has neither grpo: nor ppo:")
-        return block
+        return self._algorithm_block()[1]
+
+    @property
+    def algorithm_key(self) -> str:
+        """The name of the algorithm block present: its dotpath prefix in messages."""
+        return self._algorithm_block()[0]
+
+    def _algorithm_block(self) -> tuple[str, GRPOConfig | PPOConfig | OnPolicyDistillationConfig]:
+        blocks: tuple[tuple[str, GRPOConfig | PPOConfig | OnPolicyDistillationConfig | None], ...]
+        blocks = (
+            ("ppo", self.ppo),
+            ("on_policy_distillation", self.on_policy_distillation),
+            ("grpo", self.grpo),
+        )
+        for key, block in blocks:
+            if block is not None:
+                return key, block
+        raise ValueError("config has none of grpo:, ppo:, on_policy_distillation:")
 
     @property
     def is_ppo(self) -> bool:
         return self.ppo is not None
+
+    @property
+    def is_distillation(self) -> bool:
+        return self.on_policy_distillation is not None
+
+    @property
+    def validates(self) -> bool:
+        """Whether any validation pass is scheduled (val_period, val_at_start, val_at_end)."""
+        try:
+            algo = self.algorithm
+        except ValueError:  # no algorithm block: validation reports that
+            return False
+        return algo.val_period > 0 or algo.val_at_start or algo.val_at_end
+
+    @property
+    def val_inflight_share(self) -> int:
+        """Validation prompts in flight at once: val_batch_size, by default a quarter of
+        async_rl.max_inflight_prompts (at least 1)."""
+        chosen = self.algorithm.val_batch_size
+        return chosen if chosen is not None else max(1, self.async_rl.max_inflight_prompts // 4)
 
 
 _SAMPLER_ADAPTER: TypeAdapter[Any] = TypeAdapter(SamplerConfig)
@@ -622,7 +850,11 @@ def _block(data: dict[str, Any], key: str) -> dict[str, Any] | None:
 
 
 def _num_prompts_per_step(data: dict[str, Any]) -> int | None:
-    for key, model in (("ppo", PPOConfig), ("grpo", GRPOConfig)):
+    for key, model in (
+        ("ppo", PPOConfig),
+        ("on_policy_distillation", OnPolicyDistillationConfig),
+        ("grpo", GRPOConfig),
+    ):
         if data.get(key) is None:
             continue
         block = _block(data, key)

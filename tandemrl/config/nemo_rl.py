@@ -213,17 +213,19 @@ def _algorithm(tx: _Translator, block: str) -> None:
         "TandemRL's environments score one completion per prompt; set it to 1",
         reason="one turn per rollout is what TandemRL does",
     )
-    validation = "validation is not supported on TandemRL's path, so nothing is held out"
-    for key in (
-        "val_start_at",
-        "max_val_samples",
-        "val_batch_size",
-        "val_num_generations_per_prompt",
-        "stop_at_validation_metric",
-        "stop_at_validation_threshold",
-        "num_val_samples_to_print",
-    ):
-        tx.ignore(f"{block}.{key}", validation)
+    tx.rename(f"{block}.val_num_generations_per_prompt", f"{block}.val_num_generations")
+    if not _validation_on(tx):
+        for key in ("max_val_samples", "val_batch_size", "val_num_generations"):
+            tx.ignore(f"{block}.{key}", _VALIDATION_OFF)
+    tx.ignore(f"{block}.val_start_at", "validation passes follow val_period from the start")
+    for key in ("stop_at_validation_metric", "stop_at_validation_threshold"):
+        tx.inert(
+            f"{block}.{key}",
+            _null,
+            "stopping the run at a validation metric",
+            f"set {block}.{key}: null (bound the run with {block}.max_num_steps)",
+        )
+    tx.ignore(f"{block}.num_val_samples_to_print", _NO_VAL_SAMPLES)
     for key in ("advantage_clip_low", "advantage_clip_high"):
         tx.inert(f"{block}.{key}", _null, "advantage clipping", f"set {block}.{key}: null")
     tx.inert(
@@ -239,7 +241,13 @@ def _algorithm(tx: _Translator, block: str) -> None:
             "NeMo-Gym message-level advantage penalties",
             f"set {block}.{key}: null",
         )
-    tx.ignore(f"{block}.dynamic_sampling_max_gen_batches", "dynamic sampling is not used")
+    tx.inert(
+        f"{block}.reward_shaping.alp_coef",
+        _null,
+        "the adaptive length penalty (reward_shaping.alp_coef)",
+        f"use the overlong penalty or stop_properly_penalty_coef, and set "
+        f"{block}.reward_shaping.alp_coef: null",
+    )
     tx.ignore(f"{block}.calculate_advantages_on_gpu", "where advantages are computed")
     tx.inert(
         f"{block}.batch_multiplier",
@@ -249,7 +257,7 @@ def _algorithm(tx: _Translator, block: str) -> None:
     )
     tx.ignore(
         f"{block}.skip_reference_policy_logprobs_calculation",
-        "TandemRL keeps no reference policy (loss_fn.reference_policy_kl_penalty must be 0)",
+        "TandemRL computes reference logprobs exactly when loss_fn.reference_policy_kl_penalty > 0",
     )
     estimator = tx.get(f"{block}.adv_estimator")
     if block == "grpo" and isinstance(estimator, dict):
@@ -275,23 +283,20 @@ def _algorithm(tx: _Translator, block: str) -> None:
 
 
 def _loss(tx: _Translator) -> None:
+    # reference_policy_kl_penalty, reference_policy_kl_type, kl_input/output_clamp_value and
+    # ratio_clip_c are TandemRL keys of the same name and meaning: they pass through.
     tx.inert(
-        "loss_fn.reference_policy_kl_penalty",
-        _zero,
-        "a KL penalty to a reference policy (TandemRL keeps no reference model)",
-        "set loss_fn.reference_policy_kl_penalty: 0",
-        reason="the KL penalty is 0",
+        "loss_fn.use_on_policy_kl_approximation",
+        _off,
+        "the on-policy KL approximation (TandemRL weights the reference KL by the "
+        "importance weights of the off-policy correction instead)",
+        "set loss_fn.use_on_policy_kl_approximation: false",
     )
-    kl_only = "only used with a KL penalty to a reference policy, which is 0 here"
-    for key in ("reference_policy_kl_type", "kl_input_clamp_value", "kl_output_clamp_value"):
-        tx.ignore(f"loss_fn.{key}", kl_only)
-    for key in ("use_on_policy_kl_approximation", "use_kl_in_reward"):
-        tx.inert(f"loss_fn.{key}", _off, kl_only, f"set loss_fn.{key}: false")
     tx.inert(
-        "loss_fn.ratio_clip_c",
-        _null,
-        "dual-clip PPO (ratio_clip_c)",
-        "set loss_fn.ratio_clip_c: null",
+        "loss_fn.use_kl_in_reward",
+        _off,
+        "the KL penalty folded into the reward (TandemRL adds it to the loss)",
+        "set loss_fn.use_kl_in_reward: false",
     )
     tx.inert(
         "loss_fn.sequence_level_importance_ratios",
@@ -572,8 +577,9 @@ def _generation(tx: _Translator) -> None:
             f"set {generation}.top_k: null (top_p is supported)",
             reason="top-k is off (null)",
         )
-    for key in ("val_temperature", "val_top_p", "val_top_k"):
-        tx.ignore(f"{generation}.{key}", "validation sampling; validation is not supported")
+    if not _validation_on(tx):
+        for key in ("val_temperature", "val_top_p", "val_top_k"):
+            tx.ignore(f"{generation}.{key}", _VALIDATION_OFF)
     for key in ("port_range_low", "port_range_high"):
         tx.ignore(f"{generation}.{key}", "TandemRL's engines serve no HTTP ports")
     tx.inert(
@@ -701,6 +707,105 @@ def _async_rl(tx: _Translator) -> None:
         tx.rename(f"async_rl.{old}", f"async_rl.{new}")
 
 
+_VALIDATION_OFF = "validation is off (no val_period, val_at_start or val_at_end)"
+_NO_VAL_SAMPLES = (
+    "TandemRL prints no validation samples; every pass's metrics go to validation.jsonl"
+)
+# NeMo-RL's names of a checkpoint metric -> the validation metric TandemRL reports for it (its
+# math environment's accuracy is the mean of a 0/1 reward).
+_NEMO_RL_METRICS = {
+    "val_reward": "val/reward_mean",
+    "val:reward": "val/reward_mean",
+    "val_accuracy": "val/reward_mean",
+    "val:accuracy": "val/reward_mean",
+    "val_avg_length": "val/mean_length",
+    "val:avg_length": "val/mean_length",
+}
+
+
+def _validation_on(tx: _Translator) -> bool:
+    """Whether the algorithm block schedules any validation pass."""
+    for block in ("grpo", "ppo"):
+        algo = tx.get(block)
+        if isinstance(algo, dict):
+            period = algo.get("val_period")
+            if (isinstance(period, int) and period > 0) or algo.get("val_at_start") is True:
+                return True
+            if algo.get("val_at_end") is True:
+                return True
+    return False
+
+
+def _validation_data(tx: _Translator) -> None:
+    """NeMo-RL's ``data.validation`` block (``data_path`` and its keys) as TandemRL's
+    ``data.validation`` source; a TandemRL string passes through."""
+    value = tx.get("data.validation")
+    if value is _MISSING or isinstance(value, str):
+        return
+    tx.pop("data.validation")
+    if value is None:
+        tx.drop("data.validation", "null: no validation data")
+        return
+    if not _validation_on(tx):
+        tx.drop("data.validation", _VALIDATION_OFF)
+        return
+    block = value if isinstance(value, dict) else {}
+    path = block.get("data_path")
+    if path is None:
+        tx.refuse(
+            "data.validation",
+            f"NeMo-RL's validation dataset {block.get('dataset_name')!r} (hub datasets and "
+            "processors)",
+            "convert it to a local JSONL file and set data.validation: PATH",
+        )
+        return
+    train = tx.get("data.train")
+    train = train if isinstance(train, dict) else {}
+    for key, default in (("input_key", "input"), ("output_key", "output")):
+        mine, theirs = block.get(key, default), train.get(key, default)
+        if mine != theirs:
+            tx.refuse(
+                f"data.validation.{key}",
+                f"a validation field mapping ({key}: {mine!r}) unlike the training data's "
+                f"({theirs!r})",
+                "TandemRL reads data.validation with the data.*_key mapping of data.dataset; "
+                "rename the fields of one of the files",
+            )
+            return
+    tx.set("data.validation", path)
+    tx.notice(f"data.validation.data_path: carried over as data.validation: {path}")
+
+
+def _checkpoint_metric(tx: _Translator) -> None:
+    name = tx.get("checkpointing.metric_name")
+    if name is _MISSING or name is None or (isinstance(name, str) and name.startswith("val/")):
+        return
+    tx.pop("checkpointing.metric_name")
+    if not _validation_on(tx):
+        tx.ignore("checkpointing.higher_is_better", _VALIDATION_OFF)
+        tx.drop("checkpointing.metric_name", _VALIDATION_OFF)
+        tx.notice(
+            f"checkpointing.metric_name: {name!r} ignored — no validation pass is scheduled, "
+            "so checkpoints are not ranked (TandemRL keeps the latest checkpointing.keep_top_k)"
+        )
+        return
+    mapped = _NEMO_RL_METRICS.get(str(name))
+    if mapped is None:
+        tx.refuse(
+            "checkpointing.metric_name",
+            f"the checkpoint metric {name!r}",
+            "use a validation metric TandemRL reports: val/reward_mean, val/pass@<k>, "
+            "val/mean_length, val/truncated_frac",
+        )
+        return
+    tx.set("checkpointing.metric_name", mapped)
+    tx.notice(
+        f"checkpointing.metric_name: {name!r} carried over as {mapped!r}; TandemRL keeps the "
+        "best checkpoint by it besides the latest checkpointing.keep_top_k (NeMo-RL keeps the "
+        "top k by the metric)"
+    )
+
+
 def _attempts_to_retries(value: Any) -> Any:
     return value - 1 if isinstance(value, int) and value >= 1 else value
 
@@ -721,12 +826,7 @@ def _data(tx: _Translator) -> None:
         "several dataloaders",
         "set data.use_multiple_dataloader: false",
     )
-    tx.inert(
-        "data.validation",
-        _null,
-        "a validation dataset (validation is not supported)",
-        "set data.validation: null",
-    )
+    _validation_data(tx)
     tx.inert(
         "data.system_prompt_file", _null, "system prompt files", "remove data.system_prompt_file"
     )
@@ -824,16 +924,11 @@ def _logger(tx: _Translator) -> None:
     tx.ignore("logger.swanlab", "SwanLab is not used")
     tx.ignore("logger.monitor_gpus", "GPU monitoring is not logged")
     tx.ignore("logger.gpu_monitoring", "GPU monitoring is not logged")
-    tx.ignore("logger.num_val_samples_to_print", "validation is not supported")
+    tx.ignore("logger.num_val_samples_to_print", _NO_VAL_SAMPLES)
 
 
 def _checkpoints(tx: _Translator) -> None:
-    tx.ignore(
-        "checkpointing.metric_name",
-        "TandemRL keeps the newest checkpointing.keep_top_k checkpoints, not the best by a metric",
-        tell=tx.get("checkpointing.metric_name") not in (None, _MISSING),
-    )
-    tx.ignore("checkpointing.higher_is_better", "checkpoints are not ranked by a metric")
+    _checkpoint_metric(tx)
     tx.inert(
         "checkpointing.checkpoint_must_save_by",
         _null,
@@ -908,12 +1003,26 @@ def _top_level(tx: _Translator) -> None:
             )
         else:
             tx.drop("reward_penalties", "every penalty is off")
-    tx.inert(
-        "on_policy_distillation",
-        _null,
-        "on-policy distillation",
-        "set on_policy_distillation: null",
-    )
+    # TandemRL's own on_policy_distillation: block is an algorithm block of its own; NeMo-RL's
+    # MOPD block rides beside grpo: (with adv_estimator opd) and has another shape.
+    if not _is_tandemrl_distillation(tx.tree):
+        tx.inert(
+            "on_policy_distillation",
+            _null,
+            "NeMo-RL's on-policy distillation block (adv_estimator opd beside grpo:)",
+            "write TandemRL's on_policy_distillation: block in place of grpo: (its teachers, "
+            "kl_coef, reward_coef: docs/distillation.md) and set the NeMo-RL one to null",
+        )
+
+
+def _is_tandemrl_distillation(tree: dict[str, Any]) -> bool:
+    """An ``on_policy_distillation`` block in TandemRL's shape (a list of teachers, each a
+    mapping), which passes through untouched; validation judges it with the other blocks."""
+    block = tree.get("on_policy_distillation")
+    if not isinstance(block, dict):
+        return False
+    teachers = block.get("teachers")
+    return isinstance(teachers, list) and all(isinstance(entry, dict) for entry in teachers)
 
 
 def _drop_if_empty(tx: _Translator, path: str) -> None:

@@ -23,6 +23,7 @@ from tandemrl.config.weight_sync import facts_from_config, weight_sync_problems
 NATIVE_SAVE_BACKENDS = ("local", "simple")
 RESTORE_MODES = ("latest", "trainer_checkpoint")
 SUPPORTED_GENERATION_BACKENDS = ("torch", "vllm", "fake")
+ALGORITHM_BLOCKS = ("grpo", "ppo", "on_policy_distillation")
 
 
 def validate_single_controller_config(cfg: MasterConfig) -> list[str]:
@@ -64,11 +65,13 @@ class _Checker:
         if algo_name is not None:
             self.check_algorithm(algo_name)
         self.check_failure_budgets()
+        self.check_drain_gate()
         self.check_checkpointing()
         self.check_rollout_checkpointing()
         self.check_rollout_recovery()
         self.check_task()
         self.check_env()
+        self.check_agents()
         self.check_prompt_format()
 
     # ------------------------------------------------------------------ sampler class
@@ -240,18 +243,23 @@ class _Checker:
     # ------------------------------------------------------------------ algorithm blocks
 
     def check_algorithm_blocks(self) -> str | None:
-        """Exactly one of grpo:/ppo:; returns its name, or None when that rule failed."""
-        cfg = self.cfg
-        if cfg.grpo is not None and cfg.ppo is not None:
+        """Exactly one of grpo:/ppo:/on_policy_distillation:; returns its name, or None when
+        that rule failed."""
+        present = [key for key in ALGORITHM_BLOCKS if getattr(self.cfg, key) is not None]
+        if len(present) > 1:
             self.error(
-                "grpo, ppo: both blocks are present; they are mutually exclusive — keep grpo: "
-                "for a GRPO run or ppo: for a PPO run and delete the other"
+                f"{', '.join(present)}: {len(present)} algorithm blocks are present; they are "
+                "mutually exclusive — keep grpo: (GRPO), ppo: (PPO) or on_policy_distillation: "
+                "(a student trained toward teachers) and delete the others"
             )
             return None
-        if cfg.grpo is None and cfg.ppo is None:
-            self.error("grpo, ppo: neither block is present; add grpo: (GRPO) or ppo: (PPO)")
+        if not present:
+            self.error(
+                "grpo, ppo, on_policy_distillation: neither algorithm block is present; add grpo: "
+                "(GRPO), ppo: (PPO) or on_policy_distillation: (docs/distillation.md)"
+            )
             return None
-        return "ppo" if cfg.ppo is not None else "grpo"
+        return present[0]
 
     def check_algorithm(self, algo: str) -> None:
         """Rules that read the step settings of the one algorithm block."""
@@ -262,21 +270,26 @@ class _Checker:
         self.check_streaming(algo)
         self.check_buffer_and_inflight(algo)
         self.check_importance_sampling(algo)
+        self.check_over_sampling(algo)
+        self.check_loss()
         if algo == "ppo":
             self.check_ppo()
         else:
             for key in ("value", "value_loss_fn"):
                 if getattr(self.cfg, key) is not None:
                     self.error(
-                        f"{key}: only used by PPO; remove it from a GRPO config (or switch "
-                        "grpo: to ppo:)"
+                        f"{key}: only used by PPO; remove it from a {algo} config (or switch "
+                        f"{algo}: to ppo:)"
                     )
+        if algo == "on_policy_distillation":
+            self.check_distillation()
         self.check_warmup_lookahead(algo)
+        self.check_validation(algo)
 
     def check_legacy_and_epochs(self, algo: str) -> None:
         block = self.cfg.algorithm
-        legacy_key = "async_ppo" if algo == "ppo" else "async_grpo"
-        if getattr(block, legacy_key) is not None:
+        legacy_key = {"ppo": "async_ppo", "grpo": "async_grpo"}.get(algo)
+        if legacy_key is not None and getattr(block, legacy_key) is not None:
             self.error(
                 f"{algo}.{legacy_key}: the legacy async block must be null — move its knobs to "
                 f"async_rl.* (see docs/configuration.md, 'Porting a legacy async config') and "
@@ -290,24 +303,105 @@ class _Checker:
             )
 
     def check_unsupported_features(self, algo: str) -> None:
+        self.check_rewards(algo)
+        self.check_dynamic_sampling(algo)
+
+    def check_rewards(self, algo: str) -> None:
+        """reward_scaling and reward_shaping (``tandemrl.training.rewards``)."""
         block = self.cfg.algorithm
-        for key in ("val_period", "val_at_start", "val_at_end"):
-            value = getattr(block, key)
-            if value if isinstance(value, bool) else value > 0:
-                self.error(
-                    f"{algo}.{key}: validation is not supported on the single-controller path; "
-                    f"remove it (set {algo}.val_period: 0, val_at_start/val_at_end: false)"
-                )
-        for key in ("reward_shaping", "reward_scaling"):
-            if getattr(block, key) is not None:
-                self.error(
-                    f"{algo}.{key}: not implemented on the single-controller path; remove it "
-                    "(it would otherwise be silently skipped)"
-                )
-        if block.use_dynamic_sampling:
+        scaling = block.reward_scaling
+        if scaling is not None and not scaling.enabled and scaling != type(scaling)():
             self.error(
-                f"{algo}.use_dynamic_sampling: not implemented on the single-controller path; "
-                "set it to false"
+                f"{algo}.reward_scaling: its ranges are set but enabled is false, so they do "
+                f"nothing; set {algo}.reward_scaling.enabled: true or remove the block"
+            )
+        elif scaling is not None and scaling.enabled:
+            for low, high in (("source_min", "source_max"), ("target_min", "target_max")):
+                if getattr(scaling, low) >= getattr(scaling, high):
+                    self.error(
+                        f"{algo}.reward_scaling.{low}: {getattr(scaling, low)} must be below "
+                        f"{algo}.reward_scaling.{high} ({getattr(scaling, high)})"
+                    )
+        shaping = block.reward_shaping
+        if shaping is None:
+            return
+        where = f"{algo}.reward_shaping"
+        overlong_keys = ("overlong_buffer_length", "overlong_buffer_penalty", "max_response_length")
+        if not shaping.enabled:
+            if shaping != type(shaping)():
+                self.error(
+                    f"{where}: its penalties are set but enabled is false, so they do nothing; "
+                    f"set {where}.enabled: true or remove the block"
+                )
+            return
+        if shaping.stop_properly_penalty_coef is not None:
+            for key in overlong_keys:
+                if getattr(shaping, key) is not None:
+                    self.error(
+                        f"{where}.{key}: the overlong penalty and "
+                        f"{where}.stop_properly_penalty_coef exclude each other (with the "
+                        "coefficient set, this key would be ignored); keep one of them"
+                    )
+            return
+        missing = [key for key in overlong_keys if getattr(shaping, key) is None]
+        for key in missing:
+            self.error(
+                f"{where}.{key}: required by the overlong penalty (enabled: true); set "
+                f"overlong_buffer_length, overlong_buffer_penalty and max_response_length, or "
+                f"{where}.stop_properly_penalty_coef instead"
+            )
+        if missing:
+            return
+        buffer, longest = shaping.overlong_buffer_length, shaping.max_response_length
+        assert buffer is not None and longest is not None
+        if buffer > longest:
+            self.error(
+                f"{where}.overlong_buffer_length: {buffer} is longer than "
+                f"{where}.max_response_length ({longest}); the penalty starts at "
+                "max_response_length - overlong_buffer_length tokens, which must be >= 0"
+            )
+        new_tokens = self.cfg.policy.generation.max_new_tokens
+        if longest - buffer >= new_tokens:
+            self.warn(
+                f"{where}: the penalty starts above {longest - buffer} tokens "
+                f"(max_response_length - overlong_buffer_length), but no completion is longer "
+                f"than policy.generation.max_new_tokens ({new_tokens}): it never applies"
+            )
+
+    def check_dynamic_sampling(self, algo: str) -> None:
+        block = self.cfg.algorithm
+        default_cap = type(block).model_fields["dynamic_sampling_max_gen_batches"].default
+        if not block.use_dynamic_sampling:
+            if block.dynamic_sampling_max_gen_batches != default_cap:
+                self.error(
+                    f"{algo}.dynamic_sampling_max_gen_batches: does nothing while "
+                    f"{algo}.use_dynamic_sampling is false; set use_dynamic_sampling: true or "
+                    "remove it"
+                )
+            return
+        if algo == "on_policy_distillation":
+            self.error(
+                "on_policy_distillation.use_dynamic_sampling: GRPO only — a distillation "
+                "group's advantage is the per-token KL to its teacher, which is not 0 when its "
+                "rewards are all equal; set it to false"
+            )
+        if algo == "ppo":
+            self.error(
+                "ppo.use_dynamic_sampling: GRPO only — it drops groups whose rewards are all "
+                "equal because their group-baseline advantage is 0, which GAE's is not; set it "
+                "to false"
+            )
+        if block.num_generations_per_prompt < 2:
+            self.error(
+                f"{algo}.use_dynamic_sampling: needs {algo}.num_generations_per_prompt >= 2 "
+                f"(got {block.num_generations_per_prompt}); a group of one always has "
+                "advantage 0, so every group would be dropped"
+            )
+        if isinstance(self.sampler, CustomSamplerConfig):
+            self.error(
+                f"{algo}.use_dynamic_sampling: needs a built-in sampler (async_rl.sampler.name "
+                "is custom): a dropped group is replaced through the built-in samplers' "
+                "replacement credits"
             )
 
     def check_batch_sizes(self, algo: str) -> None:
@@ -411,6 +505,29 @@ class _Checker:
                 "on-policy (in_order with max_lookahead_versions: 0)"
             )
 
+    def check_loss(self) -> None:
+        """The clip range and the reference-policy KL penalty (``tandemrl.training.losses``)."""
+        loss = self.cfg.loss_fn
+        if loss.ratio_clip_min >= 1.0:
+            self.error(
+                f"loss_fn.ratio_clip_min: {loss.ratio_clip_min} puts the lower clip bound "
+                f"1 - ratio_clip_min at or below 0, where no ratio can fall; use a value below "
+                "1 (the bounds are [1 - ratio_clip_min, 1 + ratio_clip_max]; they may differ)"
+            )
+        if loss.reference_policy_kl_penalty == 0:
+            defaults = type(loss)()
+            for key in (
+                "reference_policy_kl_type",
+                "kl_input_clamp_value",
+                "kl_output_clamp_value",
+            ):
+                if getattr(loss, key) != getattr(defaults, key):
+                    self.error(
+                        f"loss_fn.{key}: {getattr(loss, key)!r} does nothing while "
+                        "loss_fn.reference_policy_kl_penalty is 0; set the penalty (> 0) or "
+                        "remove it"
+                    )
+
     def check_ppo(self) -> None:
         cfg = self.cfg
         ppo = cfg.ppo
@@ -427,26 +544,9 @@ class _Checker:
                 "policy.offload_optimizer_for_logprob: must be true on a PPO run — it keeps the "
                 "policy optimizer off the device while the critic runs"
             )
-        if self.sampler.name != "in_order":
-            self.error(
-                f"async_rl.sampler.name: PPO supports only in_order (got {self.sampler.name!r})"
-            )
-        min_groups = cfg.async_rl.min_groups_for_streaming_train
-        if min_groups != ppo.num_prompts_per_step:
-            self.error(
-                "async_rl.min_groups_for_streaming_train: must equal ppo.num_prompts_per_step "
-                f"({ppo.num_prompts_per_step}) on a PPO run (got {min_groups}); the critic "
-                "trains on the whole step, so splitting a step into chunks would multiply the "
-                "optimizer updates — set it to ${ppo.num_prompts_per_step}"
-            )
-        failure = cfg.async_rl.rollout_failure
-        for key in ("max_skipped_prompts", "max_consecutive_dropped_prompts"):
-            value = getattr(failure, key)
-            if value != 0:
-                self.error(
-                    f"async_rl.rollout_failure.{key}: must be 0 on a PPO run (got {value}); a "
-                    "dropped prompt would shorten the step below value.train_global_batch_size"
-                )
+        # Any sampler and any chunking: the critic streams its first epoch over the chunks and
+        # every epoch is one optimizer step normalised by the rows the step holds, so a step
+        # shortened by a drop trains correctly too (tandemrl/controller/ppo_step.py).
         self.errors.extend(
             ppo_epoch_problems(
                 ppo_epochs=ppo.ppo_epochs,
@@ -474,7 +574,125 @@ class _Checker:
                 "the warm-up window may only be wider — raise it or remove it"
             )
 
+    # ------------------------------------------------------------------ distillation
+
+    def check_distillation(self) -> None:
+        """Teachers, their routes and the loss of an on_policy_distillation run."""
+        from tandemrl.config.distillation import distillation_problems
+
+        self.errors.extend(distillation_problems(self.cfg))
+
+    # ------------------------------------------------------------------ validation
+
+    def check_validation(self, algo: str) -> None:
+        """Validation passes: held-out data, a share of the in-flight budget, sampling the
+        engines support, a best-checkpoint metric a pass reports."""
+        cfg = self.cfg
+        block = cfg.algorithm
+        generation = cfg.policy.generation
+        if not cfg.validates:
+            if cfg.data.validation is not None:
+                self.error(
+                    f"data.validation: set, but no validation pass is scheduled ({algo}."
+                    f"val_period: 0, val_at_start and val_at_end false); set {algo}.val_period "
+                    "(or val_at_start/val_at_end), or remove data.validation"
+                )
+            for key, default in (
+                ("max_val_samples", None),
+                ("val_batch_size", None),
+                ("val_num_generations", 1),
+            ):
+                if getattr(block, key) != default:
+                    self.warn(f"{algo}.{key}: has no effect while no validation pass is scheduled")
+            self.check_best_checkpoint_metric(algo)
+            return
+        if cfg.data.validation is None:
+            keys = [
+                key for key in ("val_period", "val_at_start", "val_at_end") if getattr(block, key)
+            ]
+            self.error(
+                f"data.validation: required by {', '.join(f'{algo}.{k}' for k in keys)} — a "
+                "validation pass needs held-out prompts; set data.validation to a JSONL file "
+                "(read with data.prompt_key/answer_key) or a builtin:// dataset, or set "
+                f"{algo}.val_period: 0 and val_at_start/val_at_end: false"
+            )
+        share, budget = cfg.val_inflight_share, cfg.async_rl.max_inflight_prompts
+        if share >= budget:
+            self.error(
+                f"{algo}.val_batch_size: {share} validation prompts in flight would leave "
+                f"training no slot of async_rl.max_inflight_prompts ({budget}); set it below "
+                f"{budget} (the default is a quarter of max_inflight_prompts)"
+            )
+        top_k = generation.val_top_k
+        # Greedy (temperature 0, or top-1) needs no top-k sampling.
+        greedy = generation.val_temperature == 0 or top_k == 1
+        if top_k is not None and top_k > 1 and not greedy:
+            self.error(
+                f"policy.generation.val_top_k: {top_k} needs top-k sampling, which TandemRL's "
+                "engines do not support; set it to null (or -1), use val_top_p, or sample "
+                "greedily (val_temperature: 0)"
+            )
+        k = block.val_num_generations
+        if k > 1 and greedy:
+            self.error(
+                f"{algo}.val_num_generations: {k} greedy completions of one prompt are all the "
+                f"same (val_temperature 0 or val_top_k 1 is greedy), so pass@{k} would equal "
+                "pass@1; set policy.generation.val_temperature above 0 to sample them, or "
+                f"{algo}.val_num_generations: 1"
+            )
+        self.check_best_checkpoint_metric(algo)
+
+    def check_best_checkpoint_metric(self, algo: str) -> None:
+        ckpt = self.cfg.checkpointing
+        name = ckpt.metric_name
+        if name is None:
+            return
+        if not ckpt.enabled:
+            self.error(
+                f"checkpointing.metric_name: {name!r} ranks trainer checkpoints, but "
+                "checkpointing.enabled is false; enable checkpointing or remove metric_name"
+            )
+        if not self.cfg.validates:
+            self.error(
+                f"checkpointing.metric_name: {name!r} is a validation metric, and no validation "
+                f"pass is scheduled; set {algo}.val_period (and data.validation), or remove "
+                "metric_name"
+            )
+            return
+        from tandemrl.rollout.validation_state import metric_name_problem
+
+        problem = metric_name_problem(name, k=self.cfg.algorithm.val_num_generations)
+        if problem is not None:
+            self.error(f"checkpointing.metric_name: {problem}")
+        period, save_period = self.cfg.algorithm.val_period, ckpt.save_period
+        if ckpt.enabled and period and period % save_period:
+            self.warn(
+                f"checkpointing.metric_name: {algo}.val_period {period} is not a multiple of "
+                f"checkpointing.save_period {save_period}, so some validated versions have no "
+                "trainer checkpoint to keep; make val_period a multiple of save_period"
+            )
+
     # ------------------------------------------------------------------ failure budgets
+
+    def check_over_sampling(self, algo: str) -> None:
+        builtin = self.builtin_sampler(algo)
+        limit = getattr(builtin, "dispatch_limit", lambda: None)()
+        buffered = self.cfg.async_rl.max_buffered_rollouts
+        if limit is not None and buffered < limit:
+            self.warn(
+                f"async_rl.sampler.over_sampling_ratio: dispatch is capped at {limit} in-window "
+                f"groups, but async_rl.max_buffered_rollouts ({buffered}) holds fewer, so the "
+                f"buffer caps it first; raise max_buffered_rollouts to {limit} or lower the ratio"
+            )
+
+    def check_drain_gate(self) -> None:
+        async_rl = self.cfg.async_rl
+        default = type(async_rl).model_fields["drain_timeout_s"].default
+        if async_rl.in_flight_weight_updates and async_rl.drain_timeout_s != default:
+            self.error(
+                f"async_rl.drain_timeout_s: {async_rl.drain_timeout_s} applies only to the "
+                "drain gate; set async_rl.in_flight_weight_updates: false or remove it"
+            )
 
     def check_failure_budgets(self) -> None:
         failure = self.cfg.async_rl.rollout_failure
@@ -617,21 +835,87 @@ class _Checker:
 
     def check_env(self) -> None:
         env = self.cfg.env
-        if env.name == "custom" and not env.target:
-            self.error("env.target: required when env.name is custom ('module:ClassName')")
-        if env.name != "custom" and env.target:
+        takes_target = env.name in ("custom", "agent")
+        if takes_target and not env.target:
+            self.error(f"env.target: required when env.name is {env.name} ('module:ClassName')")
+        if not takes_target and env.target:
             self.error(
-                f"env.target: only used when env.name is custom (env.name is {env.name!r}); "
-                "remove it"
+                f"env.target: only used when env.name is custom or agent (env.name is "
+                f"{env.name!r}); remove it"
             )
-        if env.name != "custom" and env.python_path:
+        if not takes_target and env.python_path:
             self.error(
-                f"env.python_path: only used when env.name is custom (env.name is {env.name!r}); "
-                "remove it"
+                f"env.python_path: only used when env.name is custom or agent (env.name is "
+                f"{env.name!r}); remove it"
             )
         for index, entry in enumerate(env.python_path):
             if not entry.strip():
                 self.error(f"env.python_path[{index}]: empty; give a directory")
+
+    def check_agents(self) -> None:
+        """Agent runs (env.name: agent), the policy endpoint, and the keys only they use."""
+        cfg = self.cfg
+        agent_run = cfg.env.name == "agent"
+        server = cfg.policy.generation.http_server
+        if not agent_run:
+            if server.enabled:
+                self.error(
+                    "policy.generation.http_server.enabled: true serves the policy to agents; "
+                    f"env.name is {cfg.env.name!r} — set env.name: agent (with env.target) or "
+                    "leave the endpoint off"
+                )
+            if cfg.env.agent != type(cfg.env.agent)():
+                self.error(
+                    f"env.agent: set, but env.name is {cfg.env.name!r} — these keys configure "
+                    "agent episodes only; remove them or set env.name: agent"
+                )
+            if cfg.token_capture.on_prefix_mismatch != "split":
+                self.error(
+                    "token_capture.on_prefix_mismatch: applies to agent episodes only "
+                    f"(env.name is {cfg.env.name!r}); remove it or set env.name: agent"
+                )
+            return
+        if cfg.env.agent.client == "http" and not server.enabled:
+            self.error(
+                "env.agent.client: http needs the endpoint: set "
+                "policy.generation.http_server.enabled: true (or env.agent.client: auto / "
+                "in_process)"
+            )
+        if cfg.is_ppo:
+            self.error(
+                "env.name: agent trains with GRPO only; replace ppo: with grpo: (agent "
+                "episodes under PPO are not supported)"
+            )
+        if cfg.on_policy_distillation is not None:
+            self.error(
+                "on_policy_distillation: not supported with env.name: agent (teachers score "
+                "single completions, not agent episodes); use grpo: or a single-turn env"
+            )
+        if cfg.validates:
+            self.error(
+                "validation passes (val_period / val_at_start / val_at_end) are not supported "
+                "with env.name: agent (they score single completions with an environment); "
+                "turn them off"
+            )
+        if not cfg.loss_fn.token_level_loss and cfg.token_capture.on_prefix_mismatch == "split":
+            self.error(
+                "loss_fn.token_level_loss: false with env.name: agent and "
+                "token_capture.on_prefix_mismatch: split — a split episode is several rows, "
+                "and a sequence-mean loss would weigh it once per row; use token_level_loss: "
+                "true or on_prefix_mismatch: error"
+            )
+        if cfg.data.prompt_format != "raw":
+            self.error(
+                "data.prompt_format: chat has no effect with env.name: agent — the agent builds "
+                "its own messages and the endpoint renders them with the chat template; remove it"
+            )
+        agent = cfg.env.agent
+        limit = cfg.policy.max_total_sequence_length
+        if agent.max_tokens_per_turn is not None and agent.max_tokens_per_turn >= limit:
+            self.error(
+                f"env.agent.max_tokens_per_turn: {agent.max_tokens_per_turn} leaves no room for "
+                f"a prompt within policy.max_total_sequence_length ({limit}); lower it"
+            )
 
     # ------------------------------------------------------------------ prompts
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from tandemrl.agents import create_agent
 from tandemrl.checkpoint.restore import RestorePlan
 from tandemrl.codec import TextCodec, text_codec
 from tandemrl.config.models import MasterConfig
@@ -45,12 +46,17 @@ from tandemrl.rollout.generation_pool import GenerationPool
 from tandemrl.training.trainer_group import ShardedTrainer
 
 
-def run_text_codec(cfg: MasterConfig, model_path: str) -> TextCodec:
-    """The run's codec: its tokenizer (``policy.tokenizer.name``, else the model folder's),
-    prompts rendered in ``data.prompt_format``, and every stop id of the model folder and of
-    ``policy.generation`` (``tandemrl.models.special_tokens``)."""
-    tokenizer_path = resolve_tokenizer_path(cfg.policy.tokenizer.name, model_path)
-    tokenizer = load_tokenizer(tokenizer_path)
+def run_tokenizer(cfg: MasterConfig, model_path: str) -> Any:
+    """The run's tokenizer: ``policy.tokenizer.name``, else the model folder's."""
+    return load_tokenizer(resolve_tokenizer_path(cfg.policy.tokenizer.name, model_path))
+
+
+def run_text_codec(cfg: MasterConfig, model_path: str, tokenizer: Any = None) -> TextCodec:
+    """The run's codec: its tokenizer (``run_tokenizer``, unless given), prompts rendered in
+    ``data.prompt_format``, and every stop id of the model folder and of ``policy.generation``
+    (``tandemrl.models.special_tokens``)."""
+    if tokenizer is None:
+        tokenizer = run_tokenizer(cfg, model_path)
     data, generation = cfg.data, cfg.policy.generation
     renderer = PromptRenderer(
         tokenizer,
@@ -103,6 +109,7 @@ class SingleControllerActor:
         restore_plan: RestorePlan,
         *,
         value_trainer_handle: Any = None,
+        teacher_handles: list[list[Any]] | None = None,
         weight_sync: str = "object_store",
         overwrite_logs: bool = False,
     ) -> None:
@@ -114,6 +121,8 @@ class SingleControllerActor:
         self.engine_handles = list(engine_handles)
         self.restore_plan = restore_plan
         self.value_trainer_handle = value_trainer_handle  # PPO critic; None on GRPO
+        # On-policy distillation: each teacher's worker actors.
+        self.teacher_handles = teacher_handles or []
         self.weight_sync = weight_sync  # the transport settled at launch
         self.overwrite_logs = overwrite_logs
         self.controller: SingleController | None = None
@@ -121,11 +130,15 @@ class SingleControllerActor:
 
     def _build(self, metrics: MetricsLogger) -> SingleController:
         engines = [ActorProxy(handle) for handle in self.engine_handles]
+        tokenizer = run_tokenizer(self.cfg, self.model_path)
+        agent_run = self.cfg.env.name == "agent"
         parts = ControllerParts(
             trainer=as_trainer(self.trainer_handle),
             engines=engines,
-            env=create_environment(self.cfg.env),
-            codec=run_text_codec(self.cfg, self.model_path),
+            env=None if agent_run else create_environment(self.cfg.env),
+            agent=create_agent(self.cfg.env) if agent_run else None,
+            tokenizer=tokenizer,
+            codec=run_text_codec(self.cfg, self.model_path, tokenizer),
             weight_sync=lambda pool: make_weight_sync(
                 self.weight_sync,
                 self.trainer_handle,
@@ -137,6 +150,13 @@ class SingleControllerActor:
             else as_trainer(self.value_trainer_handle),
             coalesce_generate_calls=True,
             metrics_sink=metrics,
+            teacher_engines=[
+                [ActorProxy(handle) for handle in workers] for workers in self.teacher_handles
+            ]
+            if self.cfg.is_distillation
+            else None,
+            # A long run keeps nothing per trained group (the journal records them).
+            keep_trained_groups=False,
         )
         return build_controller(self.cfg, parts, model_path=self.model_path)
 

@@ -1,8 +1,9 @@
 """Assemble a SingleController from the config and the heavy parts it is handed.
 
 ``build_controller`` makes every pure-state part (replay buffer, sampler, data plane,
-dataloader, ledger, budgets, barrier, rollout manager) from the config; the heavy parts —
-trainer, generation engines, weight synchroniser, environment, text codec — are arguments.
+dataloader, ledger, budgets, barrier, rollout manager, the teachers' routing) from the config;
+the heavy parts — trainer, generation engines, distillation teachers' workers, weight
+synchroniser, environment, text codec — are arguments.
 Tests and benchmarks pass fakes; ``tandemrl.controller.setup`` passes Ray workers.
 """
 
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
+from tandemrl.agents.runner import AgentRollouts
+from tandemrl.agents.setup import make_agent_rollouts
 from tandemrl.barrier import CheckpointBarrier
 from tandemrl.buffer import ReplayBuffer
 from tandemrl.checkpoint.commit_log import CommitLog
@@ -21,8 +24,10 @@ from tandemrl.checkpoint.journal import RunJournal
 from tandemrl.checkpoint.layout import JOURNAL, POLICY_DIR, VALUE_DIR
 from tandemrl.checkpoint.writer import CheckpointedModel, CheckpointWriter
 from tandemrl.codec import TextCodec
+from tandemrl.config.distillation import TeacherRoutes, teacher_name
 from tandemrl.config.errors import ConfigError
 from tandemrl.config.models import MasterConfig
+from tandemrl.controller.distill_step import DistillationStepRunner
 from tandemrl.controller.ppo_step import PPOStepRunner
 from tandemrl.controller.single_controller import (
     ControllerSettings,
@@ -31,25 +36,31 @@ from tandemrl.controller.single_controller import (
     StepSink,
 )
 from tandemrl.controller.step_runner import GRPOStepRunner, StepRunner
+from tandemrl.controller.validation import ValidationSetup
 from tandemrl.controller.weight_sync import DirectWeightSync, WeightSynchronizer
 from tandemrl.data.dataloader import PromptDataLoader
+from tandemrl.data.dataset import PromptRecord, dataset_fingerprint, load_validation_records
 from tandemrl.dataplane import create_data_plane
 from tandemrl.dataplane.base import DataPlane
 from tandemrl.envs.base import Environment
+from tandemrl.records import PromptItem
 from tandemrl.rollout.events import OwnershipEvents
 from tandemrl.rollout.failures import FailureBudgets
 from tandemrl.rollout.generation_pool import GenerationPool
 from tandemrl.rollout.ledger import OwnershipLedger
 from tandemrl.rollout.manager import RolloutManager, SamplingParams
+from tandemrl.rollout.teachers import TeacherPool, TeacherScorer
+from tandemrl.rollout.validation_state import ValidationSchedule, ValidationState
 from tandemrl.run_state import ControllerState, RunState
 from tandemrl.samplers import PromptGroupSampler, create_sampler
+from tandemrl.training.rewards import RewardTransform
 
 
 @dataclass
 class ControllerParts:
     trainer: Any
     engines: list[Any]
-    env: Environment
+    env: Environment | None  # None on an agent run (env.name: agent): the agent scores
     codec: TextCodec
     # default: DirectWeightSync(trainer, pool); a callable gets the generation pool
     weight_sync: WeightSynchronizer | Callable[[GenerationPool], WeightSynchronizer] | None = None
@@ -57,10 +68,22 @@ class ControllerParts:
     dataloader: PromptDataLoader | None = None  # default: from cfg.data
     step_runner: StepRunner | None = None  # default: make_step_runner(cfg, trainer, ...)
     value_trainer: Any = None  # PPO: the critic (a ValueTrainer); None on GRPO
+    # On-policy distillation: per teacher of on_policy_distillation.teachers, its workers
+    # (TeacherWorker objects or async proxies of their actors).
+    teacher_engines: list[list[Any]] | None = None
     # Remote engines (Ray actors): send one generate call per worker per event-loop turn.
     coalesce_generate_calls: bool = False
     # Where each step's metrics row is written before its checkpoint (None: kept in history).
     metrics_sink: StepSink | None = None
+    # Agent runs (env.name: agent): the agent, and the tokenizer whose chat template the
+    # policy endpoint renders requests with.
+    agent: Any = None
+    tokenizer: Any = None
+    # Held-out prompts for validation passes (default: from cfg.data.validation).
+    validation_prompts: list[PromptItem] | None = None
+    # Keep a record of every trained group (``SingleController.trained_groups``) for tests and
+    # in-process runs; the Ray controller actor turns it off so a long run does not grow.
+    keep_trained_groups: bool = True
 
 
 def make_step_runner(
@@ -69,17 +92,37 @@ def make_step_runner(
     *,
     pad_token_id: int,
     value_trainer: Any = None,
+    teachers: TeacherScorer | None = None,
 ) -> StepRunner:
     """GRPO: ``GRPOStepRunner``. PPO: ``PPOStepRunner`` over the policy and the critic
-    (``value_trainer``)."""
+    (``value_trainer``). On-policy distillation: ``DistillationStepRunner`` over the policy and
+    the ``teachers``."""
     if cfg.is_ppo:
         if value_trainer is None:
             raise ValueError(
                 "a PPO run needs a critic: pass value_trainer (ControllerParts.value_trainer)"
             )
         return PPOStepRunner.from_config(cfg, trainer, value_trainer, pad_token_id=pad_token_id)
+    distill = cfg.on_policy_distillation
+    if distill is not None:
+        if teachers is None:
+            raise ValueError(
+                "an on_policy_distillation run needs its teachers: pass their workers "
+                "(ControllerParts.teacher_engines)"
+            )
+        return DistillationStepRunner(
+            trainer,
+            teachers,
+            group_size=distill.num_generations_per_prompt,
+            kl_coef=distill.kl_coef,
+            reward_coef=distill.reward_coef,
+            log_ratio_clamp=distill.log_ratio_clamp,
+            leave_one_out_baseline=distill.use_leave_one_out_baseline,
+            normalize_rewards=distill.normalize_rewards,
+            pad_token_id=pad_token_id,
+        )
     algo = cfg.grpo
-    assert algo is not None  # validation: exactly one of grpo:/ppo:
+    assert algo is not None  # validation: exactly one algorithm block
     return GRPOStepRunner(
         trainer,
         group_size=algo.num_generations_per_prompt,
@@ -87,7 +130,32 @@ def make_step_runner(
         normalize_rewards=algo.normalize_rewards,
         pad_token_id=pad_token_id,
         reuse_training_logprobs=cfg.loss_fn.reuse_training_logprobs,
+        reference_kl=cfg.loss_fn.reference_policy_kl_penalty > 0,
     )
+
+
+def make_teacher_scorer(
+    cfg: MasterConfig, teacher_engines: list[list[Any]] | None
+) -> TeacherScorer | None:
+    """The run's teachers over their workers (None on GRPO and PPO)."""
+    distill = cfg.on_policy_distillation
+    if distill is None:
+        return None
+    if teacher_engines is None or len(teacher_engines) != len(distill.teachers):
+        given = 0 if teacher_engines is None else len(teacher_engines)
+        raise ValueError(
+            f"on_policy_distillation.teachers lists {len(distill.teachers)} teacher(s) but "
+            f"workers for {given} were given (ControllerParts.teacher_engines)"
+        )
+    pools = [
+        TeacherPool(
+            teacher_name(teacher, index), engines, max_batch_sequences=teacher.micro_batch_size
+        )
+        for index, (teacher, engines) in enumerate(
+            zip(distill.teachers, teacher_engines, strict=True)
+        )
+    ]
+    return TeacherScorer(TeacherRoutes.from_config(distill), pools)
 
 
 def stands_down(cfg: MasterConfig) -> bool:
@@ -110,6 +178,12 @@ def controller_settings(cfg: MasterConfig) -> ControllerSettings:
         min_step_batch_fraction=failure.min_step_batch_fraction,
         replacement_reserve_size=failure.replacement_reserve_size,
         sample_log_period=cfg.logger.sample_log_period,
+        dynamic_sampling_max_gen_batches=(
+            algo.dynamic_sampling_max_gen_batches if algo.use_dynamic_sampling else None
+        ),
+        drain_timeout_s=(
+            None if cfg.async_rl.in_flight_weight_updates else cfg.async_rl.drain_timeout_s
+        ),
     )
 
 
@@ -132,7 +206,10 @@ def build_controller(
         policy_training_start_step=0 if cfg.ppo is None else cfg.ppo.policy_training_start_step,
     )
     check_buffer_capacity(sampler, cfg)
-    data_plane = parts.data_plane or create_data_plane(cfg.data_plane)
+    # "is None": an empty data plane is falsy (it has a length).
+    data_plane = (
+        parts.data_plane if parts.data_plane is not None else create_data_plane(cfg.data_plane)
+    )
     dataloader = parts.dataloader or PromptDataLoader.from_config(
         cfg.data, max_num_epochs=algo.max_num_epochs
     )
@@ -144,13 +221,31 @@ def build_controller(
         # One engine batch per call, so early groups still come back early.
         max_requests_per_call=cfg.policy.generation.max_batch_size,
     )
+    generation_cfg = cfg.policy.generation
+    eos = () if parts.codec.eos_token_id is None else (parts.codec.eos_token_id,)
+    stop_ids = tuple(
+        dict.fromkeys((*generation_cfg.stop_token_ids, *eos, *parts.codec.stop_token_ids))
+    )
+    validation = validation_setup(cfg, parts, stop_ids=stop_ids)
     run_state = RunState(
         controller=ControllerState(),
         buffer=buffer,
         sampler=sampler,
-        ledger=OwnershipLedger(cfg.rollout_recovery, token_capture=cfg.token_capture.enabled),
+        ledger=OwnershipLedger(
+            cfg.rollout_recovery,
+            token_capture=cfg.token_capture.enabled,
+            default_agent_ref=cfg.env.target if cfg.env.name == "agent" else None,
+        ),
         budgets=FailureBudgets(failure),
         dataloader=dataloader,
+        validation=None
+        if validation is None
+        else ValidationState(
+            validation.schedule,
+            num_prompts=len(validation.prompts),
+            k=validation.num_generations,
+            fingerprint=validation.fingerprint,
+        ),
     )
     barrier = CheckpointBarrier()
     checkpointer: CheckpointWriter | None = None
@@ -191,11 +286,13 @@ def build_controller(
                 records_reserve=failure.on_dropped_prompt == "replace",
                 journal=journal,
             )
-    generation_cfg = cfg.policy.generation
-    eos = () if parts.codec.eos_token_id is None else (parts.codec.eos_token_id,)
-    stop_ids = tuple(
-        dict.fromkeys((*generation_cfg.stop_token_ids, *eos, *parts.codec.stop_token_ids))
-    )
+    agents = None
+    if cfg.env.name == "agent":
+        agents = _agent_rollouts(cfg, parts, pool, stop_ids)
+    elif parts.env is None:
+        raise ValueError(f"env.name={cfg.env.name!r} needs an environment (ControllerParts.env)")
+    teachers = make_teacher_scorer(cfg, parts.teacher_engines)
+    distill = cfg.on_policy_distillation
     manager = RolloutManager(
         buffer=buffer,
         data_plane=data_plane,
@@ -217,6 +314,10 @@ def build_controller(
         overlong_filtering=algo.overlong_filtering,
         seed=algo.seed,
         events=events,
+        agents=agents,
+        reward_transform=RewardTransform(scaling=algo.reward_scaling, shaping=algo.reward_shaping),
+        teachers=teachers,
+        teacher_stage=distill is not None and distill.teacher_scoring == "rollout",
     )
     return SingleController(
         settings=controller_settings(cfg),
@@ -231,6 +332,7 @@ def build_controller(
             parts.trainer,
             pad_token_id=parts.codec.pad_token_id,
             value_trainer=parts.value_trainer,
+            teachers=teachers,
         ),
         weight_sync=_weight_sync(parts, pool),
         barrier=barrier,
@@ -241,6 +343,77 @@ def build_controller(
         commit_log=commit_log,
         watchdog_cfg=cfg.async_rl.stall_watchdog,
         metrics_sink=parts.metrics_sink,
+        services=[] if agents is None else [agents],
+        keep_trained_groups=parts.keep_trained_groups,
+        validation=validation,
+    )
+
+
+def _agent_rollouts(
+    cfg: MasterConfig, parts: ControllerParts, pool: GenerationPool, stop_ids: tuple[int, ...]
+) -> AgentRollouts:
+    """The agent episodes' runner (and its endpoint) for an agent run."""
+    if parts.agent is None:
+        raise ValueError("env.name: agent needs the agent (ControllerParts.agent)")
+    return make_agent_rollouts(
+        cfg,
+        agent=parts.agent,
+        tokenizer=parts.tokenizer,
+        codec=parts.codec,
+        pool=pool,
+        stop_token_ids=stop_ids,
+    )
+
+
+def validation_setup(
+    cfg: MasterConfig, parts: ControllerParts, *, stop_ids: tuple[int, ...]
+) -> ValidationSetup | None:
+    """The held-out prompts and sampling of validation passes; None when none is scheduled."""
+    if not cfg.validates:
+        return None
+    algo = cfg.algorithm
+    prompts = parts.validation_prompts
+    if prompts is None:
+        records = load_validation_records(cfg.data, max_samples=algo.max_val_samples)
+        prompts = [
+            PromptItem(
+                f"val-i{index}",
+                0,
+                index,
+                record.prompt,
+                record.answer,
+                record.task_source,
+                record.agent_ref,
+                dict(record.metadata),
+            )
+            for index, record in enumerate(records)
+        ]
+    generation = cfg.policy.generation
+    # Greedy: val_temperature 0, or top-1 (the same argmax).
+    greedy = generation.val_temperature == 0 or generation.val_top_k == 1
+    return ValidationSetup(
+        prompts=list(prompts),
+        schedule=ValidationSchedule(algo.val_period, algo.val_at_start, algo.val_at_end),
+        num_generations=algo.val_num_generations,
+        inflight_share=cfg.val_inflight_share,
+        sampling=SamplingParams(
+            max_new_tokens=generation.max_new_tokens,
+            temperature=0.0 if greedy else generation.val_temperature,
+            top_p=generation.val_top_p,
+            stop_token_ids=stop_ids,
+            max_total_tokens=cfg.policy.max_total_sequence_length,
+        ),
+        seed=algo.seed,
+        fingerprint=_prompts_fingerprint(prompts),
+    )
+
+
+def _prompts_fingerprint(prompts: list[PromptItem]) -> str:
+    return dataset_fingerprint(
+        [
+            PromptRecord(item.prompt, item.answer, item.task_source, item.agent_ref, item.metadata)
+            for item in prompts
+        ]
     )
 
 
@@ -279,6 +452,9 @@ def build_fake_controller(
     engines: list[Any],
     dataloader: PromptDataLoader | None = None,
     step_hooks: list[StepHook] | None = None,
+    teacher_engines: list[list[Any]] | None = None,
+    metrics_sink: StepSink | None = None,
+    keep_trained_groups: bool = True,
 ) -> SingleController:
     """A controller over fakes (tests and benchmarks): counting task, fake text codec."""
     from tandemrl.envs.counting import CountingEnv
@@ -290,5 +466,8 @@ def build_fake_controller(
         env=CountingEnv(),
         codec=fake_codec(),
         dataloader=dataloader,
+        teacher_engines=teacher_engines,
+        metrics_sink=metrics_sink,
+        keep_trained_groups=keep_trained_groups,
     )
     return build_controller(cfg, parts, step_hooks=step_hooks)

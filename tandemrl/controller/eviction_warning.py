@@ -41,7 +41,9 @@ def eviction_advice(sampler: object, *, max_inflight_prompts: int, buffer_capaci
             "The windowed sampler evicts ready groups more than "
             f"async_rl.sampler.max_staleness_versions={sampler.max_staleness_versions} versions "
             "older than the trainer: generation runs further ahead than training can use. Raise "
-            f"max_staleness_versions so that older groups are still trained, or {ahead}"
+            f"max_staleness_versions so that older groups are still trained, set "
+            "async_rl.sampler.over_sampling_ratio to cap dispatch at that many steps' worth "
+            f"of groups beyond the window, or {ahead}"
         )
         if sampler.sample_freshest_first:
             advice += (

@@ -10,9 +10,12 @@ actor (``tandemrl.controller.actor``), before each step's checkpoint.
 
 Stopping: the first SIGINT (Ctrl-C) or SIGTERM (what Slurm and Kubernetes send before a kill)
 asks the controller to stop gracefully: it admits nothing more, finishes the step in flight,
-writes a last checkpoint when checkpointing is on (within ``checkpointing.preemption_grace_s``),
-and the driver says at which step it stopped and how to resume, stops Ray and exits with
-128 + the signal's number. A second signal stops at once.
+writes a last checkpoint when checkpointing is on — the step's trainer checkpoint, or a rollout
+snapshot when that is already written — and flushes the metrics files, all within
+``checkpointing.preemption_grace_s``; the driver logs "stopped at step N; run the same command
+to resume", stops Ray and exits with 128 + the signal's number. A second signal ends the driver
+at once; Ray's processes go with it. Ray's own servers start with SIGTERM blocked, so a
+SIGTERM sent to the whole process group reaches only the driver (``tandemrl.sigterm``).
 
 At the end of a run the trained policy is written as a transformers folder
 (``logger.save_final_model``, ``logger.final_model_dir``).
@@ -23,25 +26,30 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 import torch
 
+from tandemrl.checkpoint.layout import MANIFEST, list_step_dirs
 from tandemrl.checkpoint.restore import (
     RestorePlan,
     RestoreRefused,
     log_config_change,
     plan_restore,
 )
+from tandemrl.checkpoint.rollout_state import open_validation_versions
 from tandemrl.config import MasterConfig, validate_single_controller_config
 from tandemrl.controller.mps import MpsUnavailable, start_if_useful
 from tandemrl.metrics.logger import previous_run_files
 from tandemrl.metrics.progress import ProgressDisplay
 from tandemrl.preflight import RunRefused, runtime_problems
+from tandemrl.sigterm import sigterm_blocked
 
 log = logging.getLogger(__name__)
 
@@ -50,17 +58,29 @@ POLL_INTERVAL_S = 0.5
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_REFUSED = 2
+# Task-event records the embedded cluster's GCS keeps (Ray's default is 100,000, about 3 KB
+# each); RAY_task_events_max_num_task_in_gcs in the environment wins (docs/long_runs.md).
+EMBEDDED_GCS_TASK_EVENTS = 10_000
+GCS_TASK_EVENTS_ENV = "RAY_task_events_max_num_task_in_gcs"
 
 
-class _StopNow(Exception):
-    """A second stop signal: end at once."""
+def exit_at_once(code: int) -> None:
+    """End the driver now: no cleanup, no atexit handlers (Ray's would stop each of its
+    servers in turn). Ray's servers share the driver's fate (they get SIGKILL when it dies),
+    and the workers exit once their raylet is gone."""
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 @dataclass
 class StopSignals:
-    """SIGINT/SIGTERM while a run is on: the first asks for a graceful stop, the second raises
-    ``_StopNow`` wherever the driver is."""
+    """SIGINT/SIGTERM while a run is on: the first asks for a graceful stop (``signum``); the
+    second runs ``on_exit_now`` (e.g. stop the MPS daemon) and calls ``exit_now``."""
 
+    exit_now: Callable[[int], None] = exit_at_once
+    on_exit_now: list[Callable[[], None]] = field(default_factory=list)
     signum: int | None = None
     _previous: dict[int, Any] | None = None
 
@@ -75,13 +95,25 @@ class StopSignals:
         self._previous = None
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.signum is not None:
-            raise _StopNow
-        self.signum = signum
+        name = signal.Signals(signum).name
+        if self.signum is None:
+            self.signum = signum
+            log.warning(
+                "%s received: stopping after the step in flight (send it again to stop at once)",
+                name,
+            )
+            return
         log.warning(
-            "%s received: stopping after the step in flight (send it again to stop at once)",
-            signal.Signals(signum).name,
+            "%s received again: stopping at once; the same command resumes from the last "
+            "checkpoint written",
+            name,
         )
+        for cleanup in self.on_exit_now:
+            try:
+                cleanup()
+            except Exception:
+                log.exception("while stopping at once")
+        self.exit_now(128 + signum)
 
     @property
     def exit_code(self) -> int:
@@ -99,6 +131,8 @@ def init_ray(cfg: MasterConfig) -> None:
     if cfg.cluster.address is not None:
         ray.init(address=cfg.cluster.address, namespace=cfg.cluster.namespace, log_to_driver=True)
         return
+    # Read by the GCS when it starts (Ray's default keeps 100,000 records).
+    os.environ.setdefault(GCS_TASK_EVENTS_ENV, str(EMBEDDED_GCS_TASK_EVENTS))
     ray.init(
         num_cpus=cfg.cluster.num_cpus or os.cpu_count() or 1,
         num_gpus=cfg.cluster.num_gpus
@@ -108,6 +142,28 @@ def init_ray(cfg: MasterConfig) -> None:
         namespace=cfg.cluster.namespace,
         log_to_driver=True,
     )
+
+
+def shutdown_embedded_ray() -> None:
+    """``ray.shutdown`` for the Ray instance this driver started with SIGTERM blocked.
+
+    Ray stops each of its servers with SIGTERM and gives it a second before SIGKILL; ours ignore
+    SIGTERM (``tandemrl.sigterm``), so every one of those seconds was spent waiting (about 4 s
+    at the end of every run). They are killed at once instead, which is what the wait ended
+    in anyway.
+    """
+    import ray
+    import ray._private.worker as ray_worker
+
+    node = getattr(ray_worker, "_global_node", None)
+    kill_all = getattr(node, "kill_all_processes", None)
+    if kill_all is not None:
+
+        def kill_without_grace(**kwargs: Any) -> Any:
+            return kill_all(**{**kwargs, "allow_graceful": False})
+
+        node.kill_all_processes = kill_without_grace  # type: ignore[union-attr]
+    ray.shutdown()
 
 
 def check_run_can_start(cfg: MasterConfig, plan: RestorePlan, *, overwrite_logs: bool) -> None:
@@ -146,7 +202,11 @@ def plan_run(cfg: MasterConfig) -> RestorePlan:
 
 
 def run_already_complete(cfg: MasterConfig, plan: RestorePlan) -> bool:
-    return not plan.fresh and plan.step >= cfg.algorithm.max_num_steps
+    """Every step is trained, and no validation pass is left open in the checkpoint (one that
+    a kill interrupted after the last step still runs)."""
+    if plan.fresh or plan.step < cfg.algorithm.max_num_steps:
+        return False
+    return plan.rollout_dir is None or not open_validation_versions(plan.rollout_dir)
 
 
 def run_training(cfg: MasterConfig, *, overwrite_logs: bool = False) -> int:
@@ -171,7 +231,7 @@ def run_training(cfg: MasterConfig, *, overwrite_logs: bool = False) -> int:
             plan.step,
             cfg.algorithm.max_num_steps,
             plan.trainer_dir,
-            "ppo" if cfg.is_ppo else "grpo",
+            cfg.algorithm_key,
         )
         return EXIT_OK
     check_run_can_start(cfg, plan, overwrite_logs=overwrite_logs)
@@ -194,9 +254,15 @@ def run_training(cfg: MasterConfig, *, overwrite_logs: bool = False) -> int:
     except MpsUnavailable as error:
         raise RunRefused([str(error)]) from error
     started_ray = not ray.is_initialized()
-    init_ray(cfg)
     signals = StopSignals()
-    signals.install()  # after ray.init: Ray's own SIGTERM handler would only dump a stack
+    if mps is not None:
+        signals.on_exit_now.append(mps.stop)
+    # Ray's servers start with SIGTERM blocked: a SIGTERM to the run's process group reaches
+    # only this driver, which stops the run gracefully (tandemrl.sigterm). One arriving
+    # meanwhile is handled when the block ends.
+    with sigterm_blocked():
+        init_ray(cfg)
+        signals.install()  # after ray.init: Ray's own SIGTERM handler would only dump a stack
     launched = None
     try:
         launched = launch(cfg, plan, overwrite_logs=overwrite_logs)
@@ -206,17 +272,14 @@ def run_training(cfg: MasterConfig, *, overwrite_logs: bool = False) -> int:
         if signals.signum is not None:
             _say_stopped(cfg, step)
             return signals.exit_code
-    except _StopNow:
-        log.warning("stopped at once (second signal); the last checkpoint is what resumes")
-        return signals.exit_code
     finally:
-        signals.restore()
         if launched is not None:
             launched.shutdown()
         if started_ray:
-            ray.shutdown()
+            shutdown_embedded_ray()
         if mps is not None:
             mps.stop()
+        signals.restore()
     log.info("training finished; metrics in %s", cfg.logger.log_dir)
     return EXIT_OK
 
@@ -269,13 +332,23 @@ def _save_final_model(cfg: MasterConfig, launched: Any) -> None:
     log.info("final model (a transformers folder) saved to %s", path)
 
 
+def newest_trainer_checkpoint(checkpoint_dir: Path) -> int | None:
+    """The step of the newest published trainer checkpoint in ``checkpoint_dir`` (None: none)."""
+    steps = [step for step, path in list_step_dirs(checkpoint_dir) if (path / MANIFEST).is_file()]
+    return max(steps, default=None)
+
+
 def _say_stopped(cfg: MasterConfig, step: int) -> None:
     if cfg.checkpointing.enabled:
-        log.warning(
-            "stopped at step %d; the last checkpoint is in %s: run the same command to resume",
-            step,
-            cfg.checkpointing.checkpoint_dir,
+        checkpoint_dir = Path(cfg.checkpointing.checkpoint_dir)
+        saved = newest_trainer_checkpoint(checkpoint_dir)
+        where = (
+            f"the last checkpoint is in {checkpoint_dir}"
+            if saved in (step, None)
+            else f"it resumes from the checkpoint of step {saved} in {checkpoint_dir}: the stop "
+            "did not finish within checkpointing.preemption_grace_s"
         )
+        log.warning("stopped at step %d; run the same command to resume (%s)", step, where)
     else:
         log.warning(
             "stopped at step %d; checkpointing is off (checkpointing.enabled: false), so this "

@@ -17,6 +17,10 @@ the run uses GPUs (``cpu``: none, however many the cluster has; ``cuda``: it nee
   accounting goes); the engine stands down for every train step, or with
   ``colocated.stand_down: false`` keeps decoding beside the trainer (on one GPU the two
   processes' kernels then overlap only under CUDA MPS; without it the GPU time-slices them).
+- On-policy distillation: each teacher worker is one more process with the same CPU share on
+  a CPU run; on a GPU run it takes ``gpus_per_worker`` GPUs of its own, or with
+  ``colocated_with_trainer`` shares the trainer's GPU (half of its share, split over the
+  colocated workers).
 - PPO: the critic (value worker) splits the policy trainer's share in half (on 2 CPUs: one CPU
   generates, the policy trainer and the critic hold 0.5 each). The two never compute at the
   same time for long — a PPO step runs the critic stages, then the policy epochs — so they
@@ -31,6 +35,10 @@ the run uses GPUs (``cpu``: none, however many the cluster has; ``cuda``: it nee
   offer its resources (docs/multinode.md).
 
 The controller actor reserves no CPU: it spends its time waiting on the workers.
+
+Every actor is created with ``enable_task_events=cluster.ray_task_events`` (off by default):
+a call then leaves no record in Ray's task-event store in the GCS, which otherwise grows with
+every call of a long run (docs/long_runs.md).
 
 Weight sync: ``policy.generation.weight_sync`` is settled here from the cluster's GPUs
 (``tandemrl.config.weight_sync``) and handed to the controller actor, which builds the
@@ -47,6 +55,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandemrl.checkpoint.restore import RestorePlan, plan_restore
+from tandemrl.config.distillation import teacher_name
 from tandemrl.config.models import MasterConfig
 from tandemrl.config.weight_sync import facts_from_config, resolve_weight_sync
 from tandemrl.controller.actor import SingleControllerActor
@@ -54,6 +63,7 @@ from tandemrl.generation import engine_options
 from tandemrl.generation.worker import make_generation_worker_class
 from tandemrl.models import resolve_model_path
 from tandemrl.training.policy_worker import create_policy_worker_actor
+from tandemrl.training.teacher_worker import create_teacher_worker_actor
 from tandemrl.training.trainer_group import ShardedTrainer, create_rank_actor
 from tandemrl.training.value_worker import create_value_worker_actor
 
@@ -76,10 +86,14 @@ class Placement:
     value_cpus: float = 0.0  # PPO critic; 0 on GRPO
     value_gpus: float = 0.0
     trainer_ranks: int = 1  # policy.dtensor_cfg.data_parallel_size, settled
+    # On-policy distillation: (cpus, gpus) of each worker of each teacher, in teacher order.
+    teachers: tuple[tuple[float, float], ...] = ()
 
 
 def plan_placement(cfg: MasterConfig, *, cluster_cpus: float, cluster_gpus: float) -> Placement:
     placement = _plan_policy_placement(cfg, cluster_cpus=cluster_cpus, cluster_gpus=cluster_gpus)
+    if cfg.is_distillation:
+        return _plan_teacher_placement(cfg, placement, cluster_gpus=cluster_gpus)
     if not cfg.is_ppo:
         return placement
     cpus, gpus = placement.trainer_cpus / 2, placement.trainer_gpus / 2
@@ -106,9 +120,72 @@ def trainer_ranks(cfg: MasterConfig, *, uses_gpu: bool, trainer_gpus: int) -> in
                 "give generation fewer GPUs (policy.generation.colocated.resources.gpus_per_node)"
             )
         return ranks
-    if not uses_gpu or cfg.policy.generation.colocated.enabled:
+    # Distillation teachers may need the GPUs generation leaves: one rank unless set.
+    if not uses_gpu or cfg.policy.generation.colocated.enabled or cfg.is_distillation:
         return 1
     return max(trainer_gpus, 1)
+
+
+def _teacher_workers(cfg: MasterConfig) -> int:
+    block = cfg.on_policy_distillation
+    return 0 if block is None else sum(teacher.num_workers for teacher in block.teachers)
+
+
+def _plan_teacher_placement(
+    cfg: MasterConfig, placement: Placement, *, cluster_gpus: float
+) -> Placement:
+    """Teacher workers: a CPU share like every other process on a CPU run (or for a
+    ``device: cpu`` teacher); on a GPU run ``gpus_per_worker`` GPUs of their own, or with
+    ``colocated_with_trainer`` half of the trainer's share, split over their workers."""
+    block = cfg.on_policy_distillation
+    assert block is not None
+    on_gpus = uses_gpus(cfg, cluster_gpus=cluster_gpus)
+    cpus = placement.generation_cpus  # the per-process CPU share of the run
+    trainer_gpus = placement.trainer_gpus
+    colocated_workers = sum(
+        teacher.num_workers
+        for teacher in block.teachers
+        if on_gpus and teacher.device != "cpu" and teacher.colocated_with_trainer
+    )
+    if colocated_workers:
+        trainer_gpus = placement.trainer_gpus / 2
+    shares: list[tuple[float, float]] = []
+    own_gpus = 0.0
+    for index, teacher in enumerate(block.teachers):
+        if not on_gpus or teacher.device == "cpu":
+            if teacher.device == "cuda":
+                raise PlacementError(
+                    f"on_policy_distillation.teachers.{index}.device: cuda, but this run places "
+                    f"nothing on GPUs (policy.device: {cfg.policy.device}, {int(cluster_gpus)} "
+                    "GPU(s) in the cluster); set it to auto or cpu"
+                )
+            gpus = 0.0
+        elif teacher.colocated_with_trainer:
+            gpus = placement.trainer_gpus / 2 / colocated_workers
+        else:
+            gpus = teacher.gpus_per_worker
+            own_gpus += gpus * teacher.num_workers
+        shares += [(cpus, gpus)] * teacher.num_workers
+    taken = placement.generation_gpus * cfg.policy.generation.num_workers
+    if not cfg.policy.generation.colocated.enabled:
+        taken += placement.trainer_gpus
+    else:
+        taken = placement.trainer_gpus  # generation shares the trainer's GPU
+    if own_gpus and taken + own_gpus > cluster_gpus + 1e-9:
+        raise PlacementError(
+            f"the teachers' own GPUs (on_policy_distillation.teachers.*.gpus_per_worker x "
+            f"num_workers = {own_gpus:g}) do not fit beside generation and the trainer "
+            f"({taken:g} GPU(s)) in a cluster of {int(cluster_gpus)}; lower them, or set "
+            "colocated_with_trainer: true to share the trainer's GPU"
+        )
+    return Placement(
+        placement.generation_cpus,
+        placement.generation_gpus,
+        placement.trainer_cpus,
+        trainer_gpus,
+        trainer_ranks=placement.trainer_ranks,
+        teachers=tuple(shares),
+    )
 
 
 def uses_gpus(cfg: MasterConfig, *, cluster_gpus: float) -> bool:
@@ -147,10 +224,10 @@ def _plan_policy_placement(
                 "the cluster); set it to 0, or policy.device: cuda on a machine with GPUs"
             )
         ranks = trainer_ranks(cfg, uses_gpu=False, trainer_gpus=0)
-        processes = workers + ranks
+        processes = workers + ranks + _teacher_workers(cfg)
         cpus_each = 1.0 if cluster_cpus >= processes else cluster_cpus / processes
         return Placement(cpus_each, 0.0, cpus_each, 0.0, trainer_ranks=ranks)
-    processes = workers + 1
+    processes = workers + 1 + _teacher_workers(cfg)
     cpus_each = 1.0 if cluster_cpus >= processes else cluster_cpus / processes
     if colocated.enabled:
         if (cfg.policy.dtensor_cfg.data_parallel_size or 1) > 1:
@@ -198,6 +275,35 @@ def _plan_policy_placement(
 PLACEMENT_GROUP_REMOVAL_S = 10.0
 
 
+# Longest wait for the run's actors to be killed at the end (a Ray call that needs the GCS
+# never answers once the GCS is gone).
+TEARDOWN_DEADLINE_S = 10.0
+
+
+def call_with_deadline(call: Callable[[], object], *, deadline_s: float, what: str) -> bool:
+    """Run ``call`` on a daemon thread and wait at most ``deadline_s`` for it; False (with a
+    warning naming ``what``) when it did not return in time. An exception it raises is
+    logged: teardown goes on with the next step."""
+    failure: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            call()
+        except BaseException as exc:  # logged below: the teardown goes on
+            failure.append(exc)
+
+    thread = threading.Thread(target=target, name=f"teardown: {what}", daemon=True)
+    thread.start()
+    thread.join(deadline_s)
+    if thread.is_alive():
+        log.warning("%s did not finish within %g s; going on without it", what, deadline_s)
+        return False
+    if failure:
+        log.warning("%s failed: %r", what, failure[0])
+        return False
+    return True
+
+
 @dataclass
 class Launched:
     controller: Any
@@ -207,6 +313,8 @@ class Launched:
     resume_step: int = 0
     _cleanup: list[Callable[[], None]] = field(default_factory=list)
     value_trainer: Any = None  # PPO: the critic's actor handle (or ShardedTrainer)
+    # On-policy distillation: each teacher's worker actors, in teacher order.
+    teachers: list[list[Any]] = field(default_factory=list)
     placement_group: Any = None  # the trainer ranks' bundles (sharded trainers only)
 
     def actor_handles(self) -> list[Any]:
@@ -216,7 +324,7 @@ class Launched:
                 handles.extend(trainer.ranks)
             elif trainer is not None:
                 handles.append(trainer)
-        return handles
+        return handles + [handle for workers in self.teachers for handle in workers]
 
     def save_final_model(self, directory: str) -> str:
         """The trained policy as a transformers folder (rank 0 writes it when sharded)."""
@@ -226,17 +334,20 @@ class Launched:
             return self.trainer.save_final_model_blocking(directory)
         return str(ray.get(self.trainer.save_final_model.remote(directory)))
 
-    def shutdown(self) -> None:
+    def shutdown(self, *, deadline_s: float = TEARDOWN_DEADLINE_S) -> bool:
+        """Kill the run's actors; False when Ray did not answer within ``deadline_s``."""
         import ray
 
-        for handle in self.actor_handles():
-            ray.kill(handle, no_restart=True)
-        if self.placement_group is not None:
-            remover = threading.Thread(
-                target=ray.util.remove_placement_group, args=(self.placement_group,), daemon=True
-            )
-            remover.start()
-            remover.join(PLACEMENT_GROUP_REMOVAL_S)
+        handles = self.actor_handles()
+        group = self.placement_group
+
+        def teardown() -> None:
+            for handle in handles:
+                ray.kill(handle, no_restart=True)
+            if group is not None:
+                ray.util.remove_placement_group(group)
+
+        return call_with_deadline(teardown, deadline_s=deadline_s, what="killing the run's actors")
 
 
 def _resources(amounts: dict[str, float]) -> dict[str, Any]:
@@ -245,7 +356,12 @@ def _resources(amounts: dict[str, float]) -> dict[str, Any]:
 
 
 def launch_trainer_group(
-    cfg: MasterConfig, placement: Placement, model_path: str, *, uses_gpu: bool
+    cfg: MasterConfig,
+    placement: Placement,
+    model_path: str,
+    *,
+    uses_gpu: bool,
+    actor_options: dict[str, Any] | None = None,
 ) -> tuple[ShardedTrainer, ShardedTrainer | None, Any]:
     """The policy trainer's ranks (and the PPO critic's, one beside each) in one placement
     group of ``placement.trainer_ranks`` bundles packed per node; joined and built on return.
@@ -293,6 +409,7 @@ def launch_trainer_group(
                 name=f"{kind}-rank-{rank}-{run_id}",
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, rank),
                 **runtime_env,
+                **(actor_options or {}),
             )
             for rank in range(ranks)
         ]
@@ -383,8 +500,10 @@ def launch(
         recompute_kv_cache_after_weight_updates=cfg.async_rl.recompute_kv_cache_after_weight_updates,
         seed=algo.seed,
     )
+    # No record per call in the GCS (cluster.ray_task_events); see the module docstring.
+    events = {"enable_task_events": cfg.cluster.ray_task_events}
     engines = [
-        worker_class.remote(
+        worker_class.options(**events).remote(
             model_path,
             backend=backend,
             policy_cfg=cfg.policy,
@@ -398,7 +517,11 @@ def launch(
     if placement.trainer_ranks > 1:
         try:
             trainer, value_trainer, group = launch_trainer_group(
-                cfg, placement, model_path, uses_gpu=uses_gpus(cfg, cluster_gpus=cluster_gpus)
+                cfg,
+                placement,
+                model_path,
+                uses_gpu=uses_gpus(cfg, cluster_gpus=cluster_gpus),
+                actor_options=events,
             )
         except BaseException:
             for engine in engines:
@@ -413,6 +536,7 @@ def launch(
             num_cpus=placement.trainer_cpus,
             num_gpus=placement.trainer_gpus,
             **_resources(cfg.cluster.actor_resources.trainer),
+            **events,
         )
     if cfg.is_ppo and placement.trainer_ranks == 1:
         assert cfg.value is not None and cfg.value_loss_fn is not None  # validation
@@ -428,10 +552,12 @@ def launch(
             num_cpus=placement.value_cpus,
             num_gpus=placement.value_gpus,
             **_resources(cfg.cluster.actor_resources.trainer),
+            **events,
         )
+    teachers = launch_teachers(cfg, placement)
     controller = (
         ray.remote(num_cpus=0, max_concurrency=8)(SingleControllerActor)  # type: ignore[call-overload]  # ray types no actor options here
-        .options(name=None, **_resources(cfg.cluster.actor_resources.controller))
+        .options(name=None, **_resources(cfg.cluster.actor_resources.controller), **events)
         .remote(
             cfg,
             model_path,
@@ -439,6 +565,7 @@ def launch(
             engines,
             plan,
             value_trainer_handle=value_trainer,
+            teacher_handles=teachers,
             weight_sync=weight_sync,
             overwrite_logs=overwrite_logs,
         )
@@ -450,6 +577,7 @@ def launch(
         resume_step=plan.step + 1 if not plan.fresh else 0,
         value_trainer=value_trainer,
         placement_group=group,
+        teachers=teachers,
     )
     # Fail here, not mid-run, when a worker cannot start (bad model folder, no memory); the
     # ranks of a sharded trainer are built already.
@@ -458,7 +586,39 @@ def launch(
         for handle in (trainer, value_trainer):
             if handle is not None and not isinstance(handle, ShardedTrainer):
                 ray.get(handle.get_state.remote())
+        ray.get([worker.ping.remote() for workers in teachers for worker in workers])
     except BaseException:
         launched.shutdown()
         raise
     return launched
+
+
+def launch_teachers(cfg: MasterConfig, placement: Placement) -> list[list[Any]]:
+    """The teachers' worker actors, each with its share of ``placement.teachers``."""
+    block = cfg.on_policy_distillation
+    if block is None:
+        return []
+    shares = iter(placement.teachers)
+    teachers = []
+    for index, teacher in enumerate(block.teachers):
+        model_path = str(resolve_model_path(teacher.model_name))
+        workers = []
+        for _ in range(teacher.num_workers):
+            cpus, gpus = next(shares)
+            device = teacher.device
+            if device == "auto":
+                device = "cuda" if gpus > 0 else "cpu"
+            workers.append(
+                create_teacher_worker_actor(
+                    model_path,
+                    num_cpus=cpus,
+                    num_gpus=gpus,
+                    name=teacher_name(teacher, index),
+                    device=device,
+                    precision=teacher.precision,
+                    micro_batch_size=teacher.micro_batch_size,
+                    colocated_with_trainer=teacher.colocated_with_trainer,
+                )
+            )
+        teachers.append(workers)
+    return teachers

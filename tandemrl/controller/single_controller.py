@@ -9,9 +9,16 @@ Rollout pump, per prompt group (reference spec, "Coordination Flow"):
 Train pump, per RL step:
 
     sampler.evict → sampler.select (≥ min_groups_for_streaming_train per chunk, a step is
-    num_prompts_per_step groups) → advantage stage → policy begin_train_step /
+    num_prompts_per_step groups) → [dynamic sampling: drop zero-advantage groups, select
+    again] → advantage stage → policy begin_train_step /
     train_microbatches per chunk / finish_train_step → clear the step's rows →
-    trainer_version += 1 → weight sync (rollout permission closed meanwhile)
+    trainer_version += 1 → weight sync (rollout permission closed meanwhile; with the drain
+    gate, in-flight groups finish on the old weights first, or are generated again after it)
+
+Validation (``tandemrl.controller.validation``) is a third producer on the same loop and the
+same generation workers: a pass opens after the weight sync that brings its version, holds a
+share of ``max_inflight_prompts`` while it has prompts left, and is reported once; it never
+touches the buffer, the ledger, the data plane or the sampler.
 
 Both pumps share one ``asyncio`` loop; nothing here blocks it. A crash in either pump ends
 the run with the original exception; in-flight rollouts are cancelled on exit (they stay in
@@ -39,13 +46,15 @@ from typing import Any, Protocol
 from tandemrl.barrier import CheckpointBarrier
 from tandemrl.buffer import Slot
 from tandemrl.checkpoint.commit_log import CommitLog
-from tandemrl.checkpoint.journal import RunJournal
+from tandemrl.checkpoint.journal import RunJournal, read_journal, reported_validations
 from tandemrl.checkpoint.restore import RestorePlan, resume
 from tandemrl.checkpoint.writer import CheckpointWriter
 from tandemrl.config.models import StallWatchdogConfig
+from tandemrl.controller.dynamic_sampling import DynamicSampling
 from tandemrl.controller.eviction_warning import EvictionWatch
-from tandemrl.controller.step_metrics import StepAccumulator, TrainedGroup
+from tandemrl.controller.step_metrics import StepAccumulator, TrainedGroup, episode_rewards
 from tandemrl.controller.step_runner import StepRunner
+from tandemrl.controller.validation import ValidationRunner, ValidationSetup, describe_pass
 from tandemrl.controller.watchdog import stall_watchdog
 from tandemrl.controller.weight_sync import WeightSynchronizer
 from tandemrl.dataplane.base import DataPlane
@@ -55,6 +64,7 @@ from tandemrl.rollout.failures import RolloutDropped
 from tandemrl.rollout.generation_pool import GenerationPool
 from tandemrl.rollout.ledger import UnfinishedGroup
 from tandemrl.rollout.manager import GroupAborted, RolloutManager
+from tandemrl.rollout.validation_state import OpenPass
 from tandemrl.run_state import RunState
 from tandemrl.training.api import Trainer
 
@@ -63,6 +73,9 @@ log = logging.getLogger(__name__)
 # Container allocations between two young garbage collections while a run is on (Python's
 # default is 700); see ``run``.
 GC_YOUNG_THRESHOLD = 10_000
+# Drain gate: past its deadline, how often the groups still scoring or committing are polled
+# (they are not cancelled; one that starts another generation round then is).
+DRAIN_POLL_S = 0.05
 
 
 class StepShrunkTooFar(RuntimeError):
@@ -83,9 +96,22 @@ class ControllerSettings:
     replacement_reserve_size: int = 0
     # Every this many steps, the last few completions go to the metrics sink (0: never).
     sample_log_period: int = 0
+    # grpo.use_dynamic_sampling: its dynamic_sampling_max_gen_batches (None: off).
+    dynamic_sampling_max_gen_batches: int | None = None
+    # async_rl.in_flight_weight_updates false: the drain gate, with drain_timeout_s.
+    drain_timeout_s: float | None = None
 
 
 StepHook = Callable[["SingleController", dict[str, float]], Awaitable[None]]
+
+
+class RunService(Protocol):
+    """Something that runs beside the pumps for the whole run (the agents' policy endpoint):
+    started before the pumps, stopped after them."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
 
 
 class StepSink(Protocol):
@@ -95,6 +121,9 @@ class StepSink(Protocol):
     def log_step(self, metrics: Mapping[str, Any]) -> None: ...
 
     def log_samples(self, step: int, samples: Sequence[Mapping[str, Any]]) -> None: ...
+
+    def log_validation(self, metrics: Mapping[str, Any]) -> None:
+        """A validation pass's metrics (``trainer_version`` is the version it evaluated)."""
 
 
 class SingleController:
@@ -117,8 +146,12 @@ class SingleController:
         commit_log: CommitLog | None = None,
         watchdog_cfg: StallWatchdogConfig | None = None,
         metrics_sink: StepSink | None = None,
+        services: list[RunService] | None = None,
+        validation: ValidationSetup | None = None,
+        keep_trained_groups: bool = True,
     ) -> None:
         self.settings = settings
+        self.services = list(services or [])
         self.metrics_sink = metrics_sink
         self.run_state = run_state
         # The parts of the run state the pumps touch per group, bound once (the same objects:
@@ -146,6 +179,10 @@ class SingleController:
         self.inflight_started_at: dict[str, float] = {}
         self._inflight: dict[str, asyncio.Task[None]] = {}
         self._abort_requested: set[str] = set()
+        # Drain gate: groups cancelled mid-generation at the drain deadline, and those of them
+        # waiting to be generated again once the new weights are in.
+        self._redispatch_requested: set[str] = set()
+        self._redispatch_after_sync: list[UnfinishedGroup] = []
         self._rollout_permission = asyncio.Event()
         # The staleness gate reads the version when it decides (made once, not per admission).
         self._trainer_version_fn = lambda: self.trainer_version
@@ -167,8 +204,41 @@ class SingleController:
         # display); a controller run without a driver keeps them all.
         self.history: list[dict[str, float]] = []
         self._history_taken = 0  # rows taken and forgotten before history[0]
-        # (step index, group) for every group trained by this process: the per-run record.
+        # (step index, group) for every group trained by this process, for tests and
+        # in-process runs to inspect; off under ``tandemrl train`` (keep_trained_groups=False),
+        # where nothing is kept per group once its step closed and the journal has it.
+        self.keep_trained_groups = keep_trained_groups
         self.trained_groups: list[tuple[int, TrainedGroup]] = []
+        # The third producer (None: no validation pass is scheduled).
+        self.validation: ValidationRunner | None = None
+        if validation is not None:
+            if run_state.validation is None:
+                raise ValueError("validation needs run_state.validation (its ValidationState)")
+            self.validation = ValidationRunner(
+                validation,
+                state=run_state.validation,
+                generation=generation,
+                scorer=rollout_manager,
+                failure_cfg=rollout_manager.failure_cfg,
+                max_inflight_prompts=settings.max_inflight_prompts,
+                training_inflight=lambda: len(self._inflight),
+                dispatch_allowed=self._rollout_permission.is_set,
+                wait_change=self._wait_change,
+                notify=self._notify,
+                report=self._report_validation,
+                opened=self._validation_opened,
+                progressed=self._validation_progressed,
+            )
+        # Metrics rows of the validation passes this process reported, in report order.
+        self.validation_history: list[dict[str, Any]] = []
+        self.dynamic_sampling = (
+            None
+            if settings.dynamic_sampling_max_gen_batches is None
+            else DynamicSampling(
+                num_prompts_per_step=settings.num_prompts_per_step,
+                max_gen_batches=settings.dynamic_sampling_max_gen_batches,
+            )
+        )
         self.eviction_watch = EvictionWatch.for_sampler(
             self.sampler,
             groups_per_step=settings.num_prompts_per_step,
@@ -195,6 +265,33 @@ class SingleController:
             self._history_taken += forget
         return self.history[max(since - self._history_taken, 0) :]
 
+    def retained_records(self) -> dict[str, int]:
+        """How many records each container that a step or a group adds to holds now.
+
+        On a long run each stays bounded by the config (groups in flight, buffer capacity,
+        rows not yet taken by the driver), never by the number of steps run: the unit tests
+        and ``benchmarks/controller_heap.py`` check it.
+        """
+        manager = self.rollout_manager
+        return {
+            "history": len(self.history),
+            "trained_groups": len(self.trained_groups),
+            "inflight": len(self._inflight),
+            "inflight_started_at": len(self.inflight_started_at),
+            "abort_requested": len(self._abort_requested),
+            "step_groups": len(self._acc.groups),
+            "buffer_slots": len(self.buffer),
+            "ledger_groups": len(self.run_state.ledger),
+            "dropped_for_step": len(self.state.dropped_for_step),
+            "replacement_credits": len(self.sampler.replacement_credits),
+            "replacement_reserve": len(self.run_state.replacement_reserve),
+            "recovered_groups": len(self.run_state.recovered_groups),
+            "active_requests": len(manager.active_requests),
+            "recent_samples": len(manager.recent_samples),
+            "eviction_warnings": len(self.eviction_watch.warnings),
+            "generation_batches": self.generation.open_batches,
+        }
+
     def request_stop(self) -> None:
         """Stop gracefully: admit nothing more, start no new step, end the step being
         assembled without training it (its groups go back to the buffer), then ``run``
@@ -210,13 +307,27 @@ class SingleController:
             if not plan.fresh:
                 raise ValueError(f"cannot {plan.describe()}: checkpointing is off")
             return {"commit_log_tip": None}
-        return await resume(
+        summary = await resume(
             plan,
             self.checkpointer,
             replayed_rows=self.rollout_manager,
             sync_weights=self.weight_sync.sync,
             journal=self.journal,
         )
+        self._restore_validation()
+        return summary
+
+    def _restore_validation(self) -> None:
+        """Passes the run journal shows reported (in this lineage) are never re-opened; the
+        checkpoint writer ranks checkpoints with their scores."""
+        if self.validation is None or self.journal is None or not self.journal.path.is_file():
+            return
+        reported = reported_validations(read_journal(self.journal.path))
+        dropped = self.validation.state.forget_reported(set(reported))
+        for version in dropped:
+            log.info("validation pass of version %d was reported before the restart", version)
+        if self.checkpointer is not None:
+            self.checkpointer.seed_validation_scores(reported)
 
     async def run(self) -> list[dict[str, float]]:
         """Run both pumps until max_num_steps or the data runs out; return per-step metrics."""
@@ -224,9 +335,28 @@ class SingleController:
         self._fatal = asyncio.get_running_loop().create_future()
         if self.commit_log is not None and not self.commit_log.opened:
             self.commit_log.open(parent=None)  # not resumed through checkpoint.restore.resume
+        started: list[RunService] = []
+        try:
+            for service in self.services:
+                await service.start()
+                started.append(service)
+            return await self._run_pumps(self._fatal)
+        finally:
+            for service in reversed(started):
+                await service.stop()
+
+    async def _run_pumps(self, fatal: asyncio.Future[None]) -> list[dict[str, float]]:
+        if self.validation is not None:
+            # Passes a restore re-opened continue; val_at_start opens version 0's pass.
+            self.validation.resume_open_passes()
+            self.validation.on_weights(
+                self.trainer_version, final=self.state.step >= self.settings.max_num_steps
+            )
         rollout = asyncio.create_task(self._rollout_pump(), name="rollout_pump")
         train = asyncio.create_task(self._train_pump(), name="train_pump")
         background = [rollout]
+        if self.validation is not None:
+            background.append(asyncio.create_task(self.validation.run(), name="validation"))
         if self.watchdog_cfg is not None and self.watchdog_cfg.enabled:
             background.append(
                 asyncio.create_task(stall_watchdog(self, self.watchdog_cfg), name="watchdog")
@@ -249,11 +379,14 @@ class SingleController:
         thresholds = gc.get_threshold()
         gc.set_threshold(GC_YOUNG_THRESHOLD, *thresholds[1:])
         try:
-            pending: set[asyncio.Future[Any]] = {*background, train, self._fatal}
+            pending: set[asyncio.Future[Any]] = {*background, train, fatal}
             while train in pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     task.result()  # re-raises a pump's exception with its original traceback
+            if self.validation is not None and not self.stop_requested:
+                rollout.cancel()  # no more training rollouts: the run's last step is done
+                await self._finish_validation(pending)
             await self._final_checkpoint()
         finally:
             gc.set_threshold(*thresholds)
@@ -261,6 +394,60 @@ class SingleController:
             self._collect_fatal(raised=sys.exc_info()[1])
             await self.shutdown(*background, train)
         return self.history
+
+    async def _finish_validation(self, pending: set[asyncio.Future[Any]]) -> None:
+        """The val_at_end pass and every open pass end before the final checkpoint (a stop
+        request leaves them open in it instead: a restart re-opens them)."""
+        assert self.validation is not None
+        finish = asyncio.create_task(
+            self.validation.finish(self.trainer_version, lambda: self.stop_requested),
+            name="validation_finish",
+        )
+        self.waiting_on["train"] = "validation passes before the end of the run"
+        watched = {finish, *(task for task in pending if not task.done())}
+        try:
+            while not finish.done():
+                done, _ = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if task is not finish and not task.cancelled():
+                        task.result()  # a failed pass, a watchdog abort: re-raised here
+                    watched.discard(task)
+        finally:
+            finish.cancel()
+
+    def _validation_progressed(self) -> None:
+        # A finished validation prompt is progress for the stall watchdog too.
+        self.last_progress_at = time.monotonic()
+
+    def _validation_opened(self, opened: OpenPass) -> None:
+        if self.journal is not None:
+            self.journal.record(
+                "validation_opened",
+                version=opened.version,
+                pending=len(opened.pending),
+                kept=len(opened.results),
+                restarts=opened.restarts,
+            )
+
+    def _report_validation(self, opened: OpenPass, metrics: dict[str, float]) -> None:
+        """A finished pass, reported once: the metrics sink first, then the run journal (the
+        record a restart reads), then the checkpoint writer (best-checkpoint ranking)."""
+        row: dict[str, Any] = {
+            "trainer_version": opened.version,
+            "reported_at_step": self.state.step,
+            **metrics,
+        }
+        self.validation_history.append(row)
+        if self.metrics_sink is not None:
+            self.metrics_sink.log_validation(row)
+        if self.journal is not None:
+            self.journal.record(
+                "validated", version=opened.version, restarts=opened.restarts, metrics=row
+            )
+        if self.checkpointer is not None:
+            self.checkpointer.note_validation(opened.version, row)
+        assert self.validation is not None
+        log.info("%s", describe_pass(opened.version, row, self.validation.setup.num_generations))
 
     def _collect_fatal(self, *, raised: BaseException | None) -> None:
         """Read the fatal future's exception, so none is left unretrieved (asyncio would log it
@@ -362,8 +549,9 @@ class SingleController:
 
     def _no_room(self) -> bool:
         """True while the in-flight cap or the buffer's capacity holds the next group back."""
+        held = 0 if self.validation is None else self.validation.slots_held
         return (
-            len(self._inflight) >= self.settings.max_inflight_prompts
+            len(self._inflight) + held >= self.settings.max_inflight_prompts
             or not self.buffer.has_capacity()
         )
 
@@ -409,6 +597,9 @@ class SingleController:
                     await self.rollout_manager.drop_aborted(group)
                     self._acc.aborted_groups += 1
                     self._log_dropped(group)
+                elif group.group_id in self._redispatch_requested and not self._stopping:
+                    # Slot and ledger entry stay: generated again after the sync.
+                    self._redispatch_after_sync.append(group)
                 else:
                     raise
         except Exception as exc:
@@ -419,6 +610,7 @@ class SingleController:
             self._inflight.pop(group.group_id, None)
             self.inflight_started_at.pop(group.group_id, None)
             self._abort_requested.discard(group.group_id)
+            self._redispatch_requested.discard(group.group_id)
             self._notify()
 
     def _log_dropped(self, group: UnfinishedGroup) -> None:
@@ -491,14 +683,21 @@ class SingleController:
         groups_wanted = self._groups_for_step(version)
         claimed: list[Slot] = []
         began = False
+        if self.dynamic_sampling is not None:
+            self.dynamic_sampling.begin_step()
         while len(claimed) < groups_wanted:
             await self._evict(version)
             remaining = groups_wanted - len(claimed)
+            min_groups = min(self.settings.min_groups_for_streaming_train, remaining)
             slots, _ = await self.sampler.select(
                 current_train_weight=version,
-                min_prompt_groups=min(self.settings.min_groups_for_streaming_train, remaining),
+                min_prompt_groups=min_groups,
                 max_prompt_groups=remaining,
             )
+            if slots is not None and self.dynamic_sampling is not None:
+                slots = await self._filter_zero_advantage(slots, min_groups=min_groups)
+                if slots is None:
+                    continue  # too few left to train: select again (it waits when it must)
             if slots is None:
                 if self._no_more_groups_can_arrive() or self.stop_requested:
                     await self._roll_back(claimed)
@@ -514,6 +713,9 @@ class SingleController:
             self.waiting_on["train"] = f"training chunk of {len(slots)} group(s)"
             if not began:
                 if self.settings.stands_down:
+                    if not await self._validation_done_before_stand_down():
+                        await self._roll_back([*claimed, *slots])
+                        return False
                     await self.generation.sleep()
                 await self.step_runner.begin(version=version)
                 began = True
@@ -538,6 +740,15 @@ class SingleController:
             self.waiting_on["train"] = "weight sync"
             await tail
         return True
+
+    async def _validation_done_before_stand_down(self) -> bool:
+        """Colocated with a stand-down: open validation passes end while the engine is still
+        awake. False when a stop request came meanwhile (the step is not trained)."""
+        if self.validation is None or self.validation.idle:
+            return True
+        self.waiting_on["train"] = "validation pass (before the stand-down)"
+        await self.validation.wait_idle(lambda: self.stop_requested)
+        return not self.stop_requested
 
     def _tail_may_overlap(self) -> bool:
         """Whether the next step may train while this step's weights travel to generation.
@@ -603,12 +814,46 @@ class SingleController:
                 slot.end_weight,
                 slot.target_step,
                 version - slot.start_weight,  # staleness
-                [meta.reward for meta in metas],  # rewards
+                # rewards: one per sibling (an agent episode split into rows counts once)
+                [meta.reward for meta in metas]
+                if len(metas) == self.settings.group_size
+                else episode_rewards(metas),
                 sum([meta.num_completion_tokens for meta in metas]),  # completion_tokens
                 [meta.env_metrics for meta in metas],  # env_metrics
             )
             self._acc.groups.append(trained)
-            self.trained_groups.append((self.state.step, trained))
+            if self.keep_trained_groups:
+                self.trained_groups.append((self.state.step, trained))
+
+    async def _filter_zero_advantage(
+        self, slots: list[Slot], *, min_groups: int
+    ) -> list[Slot] | None:
+        """Dynamic sampling: drop the chunk's zero-advantage groups (``dynamic_sampling``);
+        the rest, or None (their claims rolled back) when fewer than ``min_groups`` remain."""
+        assert self.dynamic_sampling is not None
+        keep, drop = self.dynamic_sampling.split(slots)
+        self._acc.filter_cap_reached = self.dynamic_sampling.cap_reached
+        if drop:
+            dropped_ids = [slot.group_id for slot in drop]
+            # A gated sampler owes the step a fresh group for each: a replacement credit.
+            gated = self.sampler.lookahead_at(self.trainer_version) is not None
+            async with self.barrier.mutation():
+                sample_ids = self.buffer.release_claims(dropped_ids, consumed=True)
+                await self.data_plane.clear(sample_ids)
+                if gated:
+                    for slot in drop:
+                        self.sampler.on_group_filtered(slot)
+                if self.events is not None:
+                    self.events.filtered(dropped_ids)
+            self._acc.filtered_groups += len(drop)
+            self._acc.filtered_rewards.extend(
+                meta.reward for slot in drop for meta in slot.rows_meta
+            )
+            self._notify()
+        if len(keep) < min_groups:  # only after a drop: select claimed at least min_groups
+            await self._roll_back(keep)
+            return None
+        return keep
 
     async def _close_step(self, claimed: list[Slot]) -> None:
         """Consume the step's groups and advance the step and trainer version as one unit.
@@ -625,6 +870,7 @@ class SingleController:
             self.state.consumed_groups += len(group_ids)
             self.state.trainer_version += 1
             self.state.step += 1
+            self.state.forget_closed_steps()
             self._rollout_permission.clear()
         if self.events is not None:
             self.events.trained(self.state.step, group_ids)
@@ -635,18 +881,82 @@ class SingleController:
             self._notify()
 
     async def _sync_weights(self, refit: bool) -> float:
-        """Push the new weights to generation (permission was closed by ``_close_step``)."""
+        """Push the new weights to generation (permission was closed by ``_close_step``).
+
+        With the drain gate (``async_rl.in_flight_weight_updates: false``) the requests in
+        flight finish on the old weights first (``_drain_inflight``); a standing-down engine
+        wakes for that. Groups cut off at the drain deadline are generated again afterwards.
+        """
         try:
             seconds = 0.0
+            awake = not self.settings.stands_down
+            if refit and self.settings.drain_timeout_s is not None:
+                if not awake:
+                    await self.generation.wake()
+                    awake = True
+                await self._drain_inflight(self.settings.drain_timeout_s)
             if refit:
                 seconds = await self.weight_sync.sync(self.trainer_version)
             await self._abort_stale_inflight()
-            if self.settings.stands_down:
+            await self._redispatch_drained()
+            if not awake:
                 await self.generation.wake()
+            if self.validation is not None:
+                # Generation holds this version now: its pass (when due) is pinned to it.
+                self.validation.on_weights(
+                    self.trainer_version, final=self.state.step >= self.settings.max_num_steps
+                )
         finally:
             self._rollout_permission.set()
             self._notify()
         return seconds
+
+    async def _drain_inflight(self, timeout_s: float) -> None:
+        """The drain gate: nothing is admitted (permission is closed); wait up to
+        ``timeout_s`` for the groups in flight, then cancel the ones still generating (their
+        requests aborted on the engines) for ``_redispatch_drained``. Groups past generation
+        (scoring, committing) are waited for: they never touch the weights again."""
+        if not self._inflight:
+            return
+        started = time.monotonic()
+        self.waiting_on["train"] = f"drain gate: {len(self._inflight)} group(s) in flight"
+        await asyncio.wait(list(self._inflight.values()), timeout=timeout_s)
+        while self._inflight:
+            generating = [
+                group_id
+                for group_id in self._inflight
+                if group_id in self.rollout_manager.active_requests
+                and group_id not in self._redispatch_requested
+            ]
+            request_ids = [
+                request.request_id
+                for group_id in generating
+                for request in self.rollout_manager.active_requests[group_id]
+            ]
+            for group_id in generating:
+                self._redispatch_requested.add(group_id)
+                self._inflight[group_id].cancel()
+            if request_ids:
+                await self.generation.abort(request_ids)
+            if self._inflight:  # the cancelled ones may have ended during the abort
+                await asyncio.wait(list(self._inflight.values()), timeout=DRAIN_POLL_S)
+        self._acc.drain_s += time.monotonic() - started
+
+    async def _redispatch_drained(self) -> None:
+        """Generate the groups the drain cut off again, on the new weights (or drop the ones
+        the sampler says can never be trained, as ``_abort_stale_inflight`` would)."""
+        groups, self._redispatch_after_sync = self._redispatch_after_sync, []
+        for group in groups:
+            slot = self.buffer.slot(group.group_id)
+            if self.sampler.should_abort_inflight(
+                start_weight=slot.start_weight, current_train_weight=self.trainer_version
+            ):
+                await self.rollout_manager.drop_aborted(group)
+                self._acc.aborted_groups += 1
+                self._log_dropped(group)
+                continue
+            self._launch(group)
+            self._acc.redispatched_groups += 1
 
     async def _abort_stale_inflight(self) -> None:
         """Windowed sampler: in-flight groups that can never be trained are aborted."""
@@ -659,11 +969,17 @@ class SingleController:
                 task.cancel()
 
     async def _final_checkpoint(self) -> None:
+        """The last step's trainer checkpoint, unless it is written already (it holds the
+        rollout state of now). A graceful stop after it writes a rollout snapshot instead,
+        with rollout snapshots on: groups finished since, and staged siblings, are kept."""
         checkpointer = self.checkpointer
-        if checkpointer is None or self.state.step == 0:
+        if checkpointer is None:
             return
-        if checkpointer.last_saved_step != self.state.step:
+        if self.state.step > 0 and checkpointer.last_saved_step != self.state.step:
             await checkpointer.save_trainer_checkpoint()
+        elif self.stop_requested and checkpointer.snapshots_enabled:
+            snapshot = await checkpointer.attempt_snapshot()
+            log.info("rollout snapshot at the stop: %s", snapshot)
 
     async def _maybe_checkpoint(self) -> None:
         if self.checkpointer is not None and self.checkpointer.due(self.state.step, last=False):

@@ -12,7 +12,9 @@ warm-up trains only the critic, so there is nothing to sync).
 the trainer's own logprobs as ``prev_logprobs``, then gradient accumulation; ``finish`` applies
 exactly one optimizer step. With ``loss_fn.reuse_training_logprobs`` the chunk goes to the
 trainer without ``prev_logprobs`` and the training forward supplies them (one forward pass
-per step fewer; exact because the weights change only in ``finish``).
+per step fewer; exact because the weights change only in ``finish``). With a KL penalty
+(``loss_fn.reference_policy_kl_penalty > 0``) each chunk also gets the frozen reference
+policy's logprobs (``reference_logprobs``, from the trainer's ``get_reference_logprobs``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 
 from tandemrl.buffer import Slot
 from tandemrl.training.advantages import broadcast_sequence_values, grpo_advantages_grouped
-from tandemrl.training.api import TrainBatch, Trainer
+from tandemrl.training.api import ReferencePolicy, TrainBatch, Trainer
 from tandemrl.training.batch import collate_rows
 
 # A step's rows, by sample id (as the data plane hands them out).
@@ -46,14 +48,39 @@ class StepRunner(Protocol):
 def collate_step_rows(slots: list[Slot], rows: StepRows, *, pad_token_id: int) -> TrainBatch:
     """Collate the groups' rows in slot order and stamp each row's version fields."""
     batch = collate_rows([rows[sid] for slot in slots for sid in slot.sample_ids], pad_token_id)
-    group_size = len(slots[0].sample_ids)
+    rows_per_slot = torch.tensor([len(slot.sample_ids) for slot in slots])
     batch["start_weight"] = torch.tensor([slot.start_weight for slot in slots]).repeat_interleave(
-        group_size
+        rows_per_slot
     )
     batch["target_step"] = torch.tensor(
         [-1 if slot.target_step is None else slot.target_step for slot in slots]
-    ).repeat_interleave(group_size)
+    ).repeat_interleave(rows_per_slot)
     return batch
+
+
+def sibling_rows(slots: list[Slot], group_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """For groups with more rows than siblings (agent episodes split into several rows): the
+    [K, G] rewards, one per sibling (its rows share the episode's reward), and each row's flat
+    index ``k * G + sibling`` into them. None when every group has one row per sibling."""
+    if all(len(slot.rows_meta) == group_size for slot in slots):
+        return None
+    rewards = torch.zeros(len(slots), group_size)
+    row_index: list[int] = []
+    for k, slot in enumerate(slots):
+        for meta in slot.rows_meta:
+            rewards[k, meta.sibling_index] = meta.reward
+            row_index.append(k * group_size + meta.sibling_index)
+    return rewards, torch.tensor(row_index)
+
+
+async def reference_logprobs(trainer: Trainer, batch: TrainBatch) -> torch.Tensor:
+    """The reference policy's logprobs of ``batch`` from a trainer that keeps one."""
+    if not isinstance(trainer, ReferencePolicy):
+        raise TypeError(
+            f"loss_fn.reference_policy_kl_penalty > 0 needs a trainer with "
+            f"get_reference_logprobs; {type(trainer).__name__} has none"
+        )
+    return await trainer.get_reference_logprobs(batch)
 
 
 class GRPOStepRunner:
@@ -66,9 +93,11 @@ class GRPOStepRunner:
         normalize_rewards: bool,
         pad_token_id: int,
         reuse_training_logprobs: bool = False,
+        reference_kl: bool = False,
     ) -> None:
         self.trainer = trainer
         self.reuse_training_logprobs = reuse_training_logprobs
+        self.reference_kl = reference_kl
         self.group_size = group_size
         self.leave_one_out_baseline = leave_one_out_baseline
         self.normalize_rewards = normalize_rewards
@@ -79,11 +108,17 @@ class GRPOStepRunner:
 
     def advantage_stage(self, slots: list[Slot], rows: StepRows) -> TrainBatch:
         batch = collate_step_rows(slots, rows, pad_token_id=self.pad_token_id)
+        # One advantage per sibling (episode), from the group's G rewards; a sibling's rows
+        # all get its advantage.
+        split = sibling_rows(slots, self.group_size)
+        per_sibling = batch["reward"] if split is None else split[0].reshape(-1)
         advantages = grpo_advantages_grouped(
-            batch["reward"].reshape(len(slots), self.group_size),
+            per_sibling.reshape(len(slots), self.group_size),
             leave_one_out=self.leave_one_out_baseline,
             normalize=self.normalize_rewards,
         ).reshape(-1)
+        if split is not None:
+            advantages = advantages.index_select(0, split[1])
         batch["advantages"] = broadcast_sequence_values(advantages, batch["token_mask"])
         return batch
 
@@ -93,6 +128,8 @@ class GRPOStepRunner:
         batch = self.advantage_stage(slots, rows)
         if not self.reuse_training_logprobs:
             batch["prev_logprobs"] = await self.trainer.get_logprobs(batch)
+        if self.reference_kl:
+            batch["reference_logprobs"] = await reference_logprobs(self.trainer, batch)
         await self.trainer.train_microbatches(batch, step_num_sequences=step_num_sequences)
 
     async def finish(self) -> dict[str, float]:

@@ -16,6 +16,12 @@ Sources (``data.dataset``):
 - ``builtin://math-heldout``: 200 more problems of the same kinds, none of them in
   ``builtin://math`` (``math_heldout.jsonl``), for measuring accuracy on problems a run did
   not train on.
+
+``load_validation_records(cfg, max_samples=...)`` reads ``data.validation`` the same way, with
+the same field mapping; ``builtin://counting`` there draws from ``random.Random(data.seed +
+VALIDATION_SEED_OFFSET)``, so its prompts are not the training list's order (the task has only
+1000 distinct prompts, so they are not disjoint from it either). ``max_samples`` keeps the first
+prompts in stored order.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ DEFAULT_DATASET = "builtin://counting"
 COUNTING_PROMPT_DIGITS = 3
 MATH_SMALL_FILE = "math_small.jsonl"
 MATH_HELDOUT_FILE = "math_heldout.jsonl"
+# builtin://counting as data.validation draws its prompts with data.seed + this.
+VALIDATION_SEED_OFFSET = 1_000_003
 
 
 class DatasetError(ValueError):
@@ -150,21 +158,25 @@ def _conversation(row: dict[str, Any], cfg: DataConfig, where: str) -> list[Any]
         ) from error
 
 
-def parse_jsonl_text(text: str, cfg: DataConfig, source: str) -> list[PromptRecord]:
+def parse_jsonl_text(
+    text: str, cfg: DataConfig, source: str, *, dotpath: str = "data.dataset"
+) -> list[PromptRecord]:
     records = []
     for line_number, line in enumerate(text.splitlines(), start=1):
         if line.strip():
             records.append(parse_jsonl_line(line, cfg, f"{source}:{line_number}"))
     if not records:
-        raise DatasetError(f"{source}: the dataset holds no prompts (data.dataset)")
+        raise DatasetError(f"{source}: the dataset holds no prompts ({dotpath})")
     return records
 
 
-def load_jsonl(path: str | Path, cfg: DataConfig) -> list[PromptRecord]:
+def load_jsonl(
+    path: str | Path, cfg: DataConfig, *, dotpath: str = "data.dataset"
+) -> list[PromptRecord]:
     path = Path(path)
     if not path.is_file():
-        raise DatasetError(f"data.dataset={str(path)!r}: no such file")
-    return parse_jsonl_text(path.read_text(encoding="utf-8"), cfg, str(path))
+        raise DatasetError(f"{dotpath}={str(path)!r}: no such file")
+    return parse_jsonl_text(path.read_text(encoding="utf-8"), cfg, str(path), dotpath=dotpath)
 
 
 def _load_bundled(name: str, file_name: str) -> list[PromptRecord]:
@@ -173,19 +185,32 @@ def _load_bundled(name: str, file_name: str) -> list[PromptRecord]:
     return parse_jsonl_text(text, DataConfig(), f"{BUILTIN_PREFIX}{name} ({file_name})")
 
 
-def load_prompt_records(cfg: DataConfig) -> list[PromptRecord]:
-    """The dataset ``data.dataset`` names, in its stored (unshuffled) order."""
-    source = cfg.dataset or DEFAULT_DATASET
+def _load_source(source: str, cfg: DataConfig, *, dotpath: str, seed: int) -> list[PromptRecord]:
     if source.startswith(BUILTIN_PREFIX):
         name = source.removeprefix(BUILTIN_PREFIX)
         if name == "counting":
-            return generate_counting_records(cfg.num_prompts, cfg.seed)
+            return generate_counting_records(cfg.num_prompts, seed)
         if name == "math":
             return _load_bundled(name, MATH_SMALL_FILE)
         if name == "math-heldout":
             return _load_bundled(name, MATH_HELDOUT_FILE)
         raise DatasetError(
-            f"data.dataset={source!r}: unknown built-in dataset; use builtin://counting, "
+            f"{dotpath}={source!r}: unknown built-in dataset; use builtin://counting, "
             "builtin://math, builtin://math-heldout or a JSONL file path"
         )
-    return load_jsonl(source, cfg)
+    return load_jsonl(source, cfg, dotpath=dotpath)
+
+
+def load_prompt_records(cfg: DataConfig) -> list[PromptRecord]:
+    """The dataset ``data.dataset`` names, in its stored (unshuffled) order."""
+    return _load_source(cfg.dataset or DEFAULT_DATASET, cfg, dotpath="data.dataset", seed=cfg.seed)
+
+
+def load_validation_records(cfg: DataConfig, *, max_samples: int | None) -> list[PromptRecord]:
+    """The held-out prompts ``data.validation`` names (its first ``max_samples``)."""
+    if cfg.validation is None:
+        raise DatasetError("data.validation: not set; a validation pass needs held-out prompts")
+    records = _load_source(
+        cfg.validation, cfg, dotpath="data.validation", seed=cfg.seed + VALIDATION_SEED_OFFSET
+    )
+    return records if max_samples is None else records[:max_samples]

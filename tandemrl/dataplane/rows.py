@@ -1,18 +1,30 @@
 """The training-row format: what a rollout writes into the data plane and training reads.
 
-A *row* is one generation of a prompt group (see ``make_training_row``). The rollout manager
-builds a whole group at once as a ``RowBlock`` (``make_group_block``: every field stacked over
-the group, a handful of tensor constructions per group instead of five per row); training
-collates rows into batches (``tandemrl.training.batch``). It lives with the data plane, below
-both its writer (``rollout/``) and its reader (``training/``).
+A *row* is one training sequence of a prompt group: one generation (see
+``make_training_row``), or, for an agent episode, its turns merged into one sequence. The
+rollout manager builds a whole group at once as a ``RowBlock``: ``make_group_block`` for
+single-turn groups (every row the shared prompt plus its completion; a handful of tensor
+constructions per group instead of five per row), ``make_sequence_block`` for rows of any
+shape (agent episodes: each row its own tokens and its own loss mask, rows of one group of
+different lengths and prompts). Training collates rows into batches
+(``tandemrl.training.batch``), reading the loss positions from ``token_mask`` alone. It lives
+with the data plane, below both its writer (``rollout/``) and its reader (``training/``).
 
-Row fields (one sequence of ``P`` prompt and ``C`` completion tokens, ``T = P + C``):
+Row fields (one sequence of ``T`` tokens; a single-turn row is ``P`` prompt then ``C``
+completion tokens, ``T = P + C``):
 
-- ``input_ids`` [T] int64: prompt then completion
-- ``token_mask`` [T] float32: 1 at the ``C`` completion positions, 0 on the prompt
-- ``generation_logprobs`` [T] float32: the generator's logprob of each completion token at
-  its position (entry t is log p(input_ids[t] | input_ids[:t])), 0 on the prompt
+- ``input_ids`` [T] int64: the sequence (prompt then completion)
+- ``token_mask`` [T] float32: 1 at the positions of tokens the engine sampled (the loss
+  positions), 0 elsewhere: the prompt, and in an agent row the tokens between turns (tool
+  and environment messages, template markers); a single-turn row is 0 on its ``P`` prompt
+  positions and 1 on its ``C`` completion positions
+- ``generation_logprobs`` [T] float32: the generator's logprob of each sampled token at its
+  position (entry t is log p(input_ids[t] | input_ids[:t])), 0 where ``token_mask`` is 0
 - ``reward`` [] float32 and ``sample_mask`` [] float32 (0 excludes the row from the loss)
+- on-policy distillation: ``teacher_index`` [] int16, which teacher serves the row (its index
+  in ``on_policy_distillation.teachers``); when the teachers score in the rollout pump also
+  ``teacher_logprobs`` [T] float32, that teacher's logprob of each completion token at its
+  position (as ``generation_logprobs``), 0 on the prompt
 - optional, added by the advantage / value stages: ``advantages`` ([T], or [] for one value
   per sequence, broadcast over the completion), ``values`` [T], ``returns`` [T],
   ``prev_logprobs`` [T]
@@ -31,6 +43,10 @@ from tandemrl.dataplane.base import BUFFER_DTYPES, RowBlock
 
 # Fields every row must hold.
 REQUIRED_ROW_KEYS = ("input_ids", "token_mask", "generation_logprobs", "reward", "sample_mask")
+# On-policy distillation: the per-token field of the teacher's logprobs, and the per-row
+# field of the serving teacher's index.
+TEACHER_LOGPROBS = "teacher_logprobs"
+TEACHER_INDEX = "teacher_index"
 
 
 class RowError(ValueError):
@@ -115,8 +131,12 @@ def make_group_block(
     completion_logprobs: Sequence[Sequence[float]],
     rewards: Sequence[float],
     sample_masks: Sequence[float],
+    teacher_index: int | None = None,
+    teacher_logprobs: Sequence[Sequence[float]] | None = None,
 ) -> RowBlock:
-    """One prompt group's rows as a ``RowBlock``; row ``i`` equals ``make_training_row``'s.
+    """One prompt group's rows as a ``RowBlock``; row ``i`` equals ``make_training_row``'s
+    (plus, when given, ``teacher_index`` on every row and ``teacher_logprobs``: one list per
+    completion, as its logprobs).
 
     Per-token fields are [N, P + longest completion] (right padded with 0), ``reward`` and
     ``sample_mask`` are [N]. The block holds flat buffers; no tensor is made until someone
@@ -157,16 +177,120 @@ def make_group_block(
         if length < longest:
             token_ids += [0] * (longest - length)
             logprobs += [0.0] * (longest - length)
+    per_token = {
+        "input_ids": _flat_buffer("q", token_ids),
+        "token_mask": _group_token_mask(num_prompt, completion_lengths),
+        "generation_logprobs": _flat_buffer("f", logprobs),
+    }
+    if teacher_logprobs is not None:
+        per_token[TEACHER_LOGPROBS] = _flat_buffer(
+            "f",
+            _padded_completion_values(num_prompt, longest, completion_lengths, teacher_logprobs),
+        )
+    per_row = {
+        "reward": _flat_buffer("f", rewards),
+        "sample_mask": _flat_buffer("f", sample_masks),
+    }
+    if teacher_index is not None:
+        per_row[TEACHER_INDEX] = array("h", [teacher_index] * count)
     return RowBlock.from_buffers(
         sample_ids,
         [num_prompt + length for length in completion_lengths],
+        per_token=per_token,
+        per_row=per_row,
+    )
+
+
+def make_sequence_block(
+    sample_ids: Sequence[str],
+    input_ids: Sequence[Sequence[int]],
+    token_masks: Sequence[Sequence[float]],
+    logprobs: Sequence[Sequence[float]],
+    rewards: Sequence[float],
+    sample_masks: Sequence[float],
+) -> RowBlock:
+    """Rows of any shape as one ``RowBlock``: row ``i`` is ``input_ids[i]`` with its own
+    ``token_masks[i]`` and ``logprobs[i]`` (one entry per token; a logprob where the mask is 0
+    must be 0). Per-token fields are [N, longest row] (right padded with 0)."""
+    count = len(sample_ids)
+    if not (
+        len(input_ids)
+        == len(token_masks)
+        == len(logprobs)
+        == len(rewards)
+        == len(sample_masks)
+        == count
+    ):
+        raise RowError(
+            f"{count} sample ids for {len(input_ids)} token lists, {len(token_masks)} masks, "
+            f"{len(logprobs)} logprob lists, {len(rewards)} rewards and {len(sample_masks)} "
+            "sample masks; all must match"
+        )
+    lengths = [len(ids) for ids in input_ids]
+    for sample_id, length, mask, row_logprobs in zip(
+        sample_ids, lengths, token_masks, logprobs, strict=True
+    ):
+        if length == 0:
+            raise RowError(f"row {sample_id!r} has no tokens")
+        if len(mask) != length or len(row_logprobs) != length:
+            raise RowError(
+                f"row {sample_id!r} has {length} tokens, {len(mask)} mask entries and "
+                f"{len(row_logprobs)} logprobs; every per-token field needs one per token"
+            )
+        if mask[0]:
+            raise RowError(f"row {sample_id!r}: its first token cannot be a loss position")
+        if any(lp != 0.0 for lp, m in zip(row_logprobs, mask, strict=True) if not m):
+            raise RowError(f"row {sample_id!r} has a logprob where its token_mask is 0")
+    width = max(lengths)
+    flat_ids: list[int] = []
+    flat_mask: list[float] = []
+    flat_logprobs: list[float] = []
+    for ids, mask, row_logprobs, length in zip(
+        input_ids, token_masks, logprobs, lengths, strict=True
+    ):
+        flat_ids += ids
+        flat_mask += mask
+        flat_logprobs += row_logprobs
+        if length < width:
+            flat_ids += [0] * (width - length)
+            flat_mask += [0.0] * (width - length)
+            flat_logprobs += [0.0] * (width - length)
+    return RowBlock.from_buffers(
+        sample_ids,
+        lengths,
         per_token={
-            "input_ids": _flat_buffer("q", token_ids),
-            "token_mask": _group_token_mask(num_prompt, completion_lengths),
-            "generation_logprobs": _flat_buffer("f", logprobs),
+            "input_ids": _flat_buffer("q", flat_ids),
+            "token_mask": _flat_buffer("f", flat_mask),
+            "generation_logprobs": _flat_buffer("f", flat_logprobs),
         },
         per_row={
             "reward": _flat_buffer("f", rewards),
             "sample_mask": _flat_buffer("f", sample_masks),
         },
     )
+
+
+def _padded_completion_values(
+    num_prompt: int,
+    longest: int,
+    completion_lengths: Sequence[int],
+    values: Sequence[Sequence[float]],
+) -> list[float]:
+    """Per-completion-token values laid out like ``generation_logprobs`` (0 on the prompt and
+    the padding), flat over the group."""
+    if len(values) != len(completion_lengths):
+        raise RowError(
+            f"{len(values)} teacher logprob lists for {len(completion_lengths)} completions"
+        )
+    flat: list[float] = []
+    prompt_zeros = [0.0] * num_prompt
+    for length, row_values in zip(completion_lengths, values, strict=True):
+        if len(row_values) != length:
+            raise RowError(
+                f"completion has {length} tokens but {len(row_values)} teacher logprobs; a "
+                "teacher must score every completion token"
+            )
+        flat += prompt_zeros
+        flat += row_values
+        flat += [0.0] * (longest - length)
+    return flat

@@ -61,6 +61,7 @@ from tandemrl.config.models import PolicyConfig
 from tandemrl.generation.base import GenerationBackend, GenerationError
 from tandemrl.models import resolve_device, resolve_dtype
 from tandemrl.records import FinishReason, GenerationRequest, GenerationResult
+from tandemrl.sigterm import unblock_sigterm
 
 logger = logging.getLogger(__name__)
 
@@ -314,6 +315,10 @@ class VllmGenerationEngine(GenerationBackend):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self._update_lock = asyncio.Lock()
+        # The engine core process is started from this thread and inherits its signal mask; a
+        # Ray worker has SIGTERM blocked (tandemrl.sigterm), and vLLM stops its engine core
+        # with SIGTERM (SIGKILL only after a timeout).
+        unblock_sigterm()
         # No local name for the engine in this frame, nor in _shutdown: vLLM's lazy imports
         # keep tracebacks whose frames reach back here, and a local would keep the engine
         # alive until interpreter exit (where its __del__ fails noisily).

@@ -10,16 +10,22 @@ field (``REQUIRED_FIELDS``) is missing or the step does not come after the last 
   (``trackers.py``), which log the same numeric fields at the same step.
 
 ``log_samples(step, samples)`` appends a few sampled completions with their rewards to
-``samples.jsonl`` and to TensorBoard as text. ``close()`` writes ``reward_throughput.png``
-(reward_mean and tokens_per_s per step, two panels) when ``logger.plot`` is on and at least one
+``samples.jsonl`` and to TensorBoard as text. ``log_validation(row)`` takes one validation
+pass's metrics (``trainer_version``: the version it evaluated; ``val/...`` fields): one line in
+``validation.jsonl`` (one line per version: a version logged again replaces its line), its
+``val/`` fields as TensorBoard scalars at step = that version, and the trackers. ``close()``
+writes ``reward_throughput.png`` (reward_mean per step with the validation curve of
+``val/reward_mean`` beside it, and tokens_per_s) when ``logger.plot`` is on and at least one
 step was logged.
 
 Nothing in ``log_dir`` is touched before the first step is logged: a run that fails during
-setup leaves an earlier run's files as they were.
+setup leaves an earlier run's files as they were. Validation passes reported before it (of
+the initial weights) are held and written with the first step.
 
 Restarts: an existing ``metrics.jsonl`` is appended to, never truncated. With
 ``resume_step=N`` the file is first rewritten atomically keeping only lines with
-``step < N`` (steps at or after the checkpoint are trained again and logged again); pass
+``step < N`` (steps at or after the checkpoint are trained again and logged again), and
+``validation.jsonl`` keeping only passes of versions below N; pass
 ``resume_step=0`` to start a fresh run in a used ``log_dir``, and ``overwrite=True`` to also
 remove that run's TensorBoard events, samples and plot (both at the first logged step). A torn
 last line (the process was killed mid-write) is dropped with a warning.
@@ -33,6 +39,7 @@ import math
 import os
 import shutil
 import tempfile
+from array import array
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
@@ -58,10 +65,17 @@ REQUIRED_FIELDS: tuple[str, ...] = (
 )
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
+VALIDATION_FILE = "validation.jsonl"
 PLOT_FILE = "reward_throughput.png"
 TENSORBOARD_DIR = "tensorboard"
 # What a finished run leaves in its log_dir (besides the final model, written at the end).
-RUN_FILES: tuple[str, ...] = (METRICS_FILE, SAMPLES_FILE, PLOT_FILE, TENSORBOARD_DIR)
+RUN_FILES: tuple[str, ...] = (
+    METRICS_FILE,
+    SAMPLES_FILE,
+    VALIDATION_FILE,
+    PLOT_FILE,
+    TENSORBOARD_DIR,
+)
 
 
 def previous_run_files(log_dir: str | Path) -> list[Path]:
@@ -86,8 +100,9 @@ def _to_json_value(value: Any) -> Any:
     raise TypeError(f"metric value {value!r} of type {type(value).__name__} is not JSON")
 
 
-def _read_metrics_lines(path: Path) -> tuple[list[dict[str, Any]], bool, bool]:
-    """Parsed lines of ``path``; whether a torn last line was dropped; whether to rewrite."""
+def _read_metrics_lines(path: Path, key: str = "step") -> tuple[list[dict[str, Any]], bool, bool]:
+    """Parsed lines of ``path``; whether a torn last line was dropped; whether to rewrite.
+    Every line must hold an integer ``key``."""
     text = path.read_text(encoding="utf-8")
     lines = text.splitlines()
     records: list[dict[str, Any]] = []
@@ -102,8 +117,8 @@ def _read_metrics_lines(path: Path) -> tuple[list[dict[str, Any]], bool, bool]:
                 dropped_torn = True
                 break
             raise ValueError(f"{path}:{line_number}: not a JSON line ({error.msg})") from error
-        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-            raise ValueError(f"{path}:{line_number}: not a metrics line (no integer 'step')")
+        if not isinstance(record, dict) or not isinstance(record.get(key), int):
+            raise ValueError(f"{path}:{line_number}: not a metrics line (no integer {key!r})")
         records.append(record)
     # A last line without its newline would glue the next appended line onto it.
     needs_rewrite = dropped_torn or (bool(text) and not text.endswith("\n"))
@@ -151,11 +166,19 @@ class MetricsLogger:
         self.log_dir = Path(cfg.log_dir)
         self.metrics_path = self.log_dir / METRICS_FILE
         self.samples_path = self.log_dir / SAMPLES_FILE
+        self.validation_path = self.log_dir / VALIDATION_FILE
         self.plot_path = self.log_dir / PLOT_FILE
         self.resume_step = resume_step
         self.overwrite = overwrite
-        # (step, reward_mean, tokens_per_s) of every step in this run's history, for the plot.
-        self._history: list[tuple[int, float, float]] = []
+        # step, reward_mean and tokens_per_s of every step in this run's history, for the
+        # plot: packed (8 bytes a value), so a 100k-step run holds 2.4 MB, not 15.
+        self._steps = array("q")
+        self._rewards = array("d")
+        self._throughputs = array("d")
+        # Validation passes of this run's history by version (what validation.jsonl holds).
+        self._validation: dict[int, dict[str, Any]] = {}
+        # Passes reported before the first step: written with it (see the module docstring).
+        self._held_validation: list[dict[str, Any]] = []
         self._last_step: int | None = None
         self._opened = False
         self._closed = False
@@ -179,11 +202,12 @@ class MetricsLogger:
         self._opened = True
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if self.overwrite:
-            for name in (SAMPLES_FILE, PLOT_FILE):
+            for name in (SAMPLES_FILE, VALIDATION_FILE, PLOT_FILE):
                 (self.log_dir / name).unlink(missing_ok=True)
             shutil.rmtree(self.log_dir / TENSORBOARD_DIR, ignore_errors=True)
         if self.cfg.jsonl:
             self._restore_jsonl(self.resume_step)
+            self._restore_validation(self.resume_step)
             self._jsonl = self.metrics_path.open("a", encoding="utf-8")
         elif self.resume_step is not None:
             self._last_step = self.resume_step - 1
@@ -216,11 +240,27 @@ class MetricsLogger:
             # Every kept line has step < resume_step; the resumed run logs resume_step next.
             self._last_step = resume_step - 1
 
+    def _restore_validation(self, resume_step: int | None) -> None:
+        if not self.validation_path.exists():
+            return
+        records, dropped_torn, needs_rewrite = _read_metrics_lines(
+            self.validation_path, key="trainer_version"
+        )
+        if dropped_torn:
+            logger.warning("%s: dropped a torn last line (killed mid-write)", self.validation_path)
+        kept = records
+        if resume_step is not None:
+            kept = [r for r in records if r["trainer_version"] < resume_step]
+        if needs_rewrite or len(kept) != len(records):
+            _atomic_write_lines(self.validation_path, kept)
+        for record in kept:
+            self._validation[int(record["trainer_version"])] = record
+
     def _remember(self, record: Mapping[str, Any]) -> None:
         step = int(record["step"])
-        reward = float(record.get("reward_mean", math.nan))
-        throughput = float(record.get("tokens_per_s", math.nan))
-        self._history.append((step, reward, throughput))
+        self._steps.append(step)
+        self._rewards.append(float(record.get("reward_mean", math.nan)))
+        self._throughputs.append(float(record.get("tokens_per_s", math.nan)))
         self._last_step = step
 
     def log_step(self, metrics: Mapping[str, Any]) -> None:
@@ -258,6 +298,9 @@ class MetricsLogger:
         self._remember(metrics)
         if self.progress is not None:
             self.progress.update(metrics)
+        held, self._held_validation = self._held_validation, []
+        for row in held:
+            self.log_validation(row)
 
     def log_samples(self, step: int, samples: Sequence[Mapping[str, Any]]) -> None:
         """A few completions of ``step`` with their rewards: ``samples.jsonl`` (one line each,
@@ -279,6 +322,40 @@ class MetricsLogger:
             self._writer.add_text("samples", table, global_step=step)
             self._writer.flush()
 
+    def log_validation(self, metrics: Mapping[str, Any]) -> None:
+        """One validation pass: ``validation.jsonl``, TensorBoard at its version, trackers."""
+        if self._closed:
+            raise RuntimeError("MetricsLogger.log_validation() after close()")
+        version = metrics.get("trainer_version")
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise TypeError(f"validation metrics need an int 'trainer_version', got {version!r}")
+        row = dict(metrics)
+        if not self._opened:
+            self._held_validation.append(row)
+            return
+        self._open()
+        replaces = version in self._validation
+        self._validation[version] = row
+        if self.cfg.jsonl:
+            if replaces:  # the same version again (a pass redone after a kill): one line each
+                _atomic_write_lines(
+                    self.validation_path, [self._validation[v] for v in sorted(self._validation)]
+                )
+            else:
+                with self.validation_path.open("a", encoding="utf-8") as handle:
+                    handle.write(json.dumps(row, default=_to_json_value) + "\n")
+        if self._writer is not None:
+            for name, value in row.items():
+                if (
+                    name.startswith("val/")
+                    and isinstance(value, int | float)
+                    and not isinstance(value, bool)
+                ):
+                    self._writer.add_scalar(name, value, global_step=version)
+            self._writer.flush()
+        for tracker in self._trackers:
+            tracker.log_validation(version, row)
+
     def close(self) -> None:
         """Close files and the display; write the plot (when on). Safe to call twice."""
         if self._closed:
@@ -292,7 +369,7 @@ class MetricsLogger:
             self._writer.close()
         for tracker in self._trackers:
             tracker.close()
-        if self.cfg.plot and self._history:
+        if self.cfg.plot and self._steps:
             self.write_plot()
 
     def write_plot(self) -> Path:
@@ -300,14 +377,28 @@ class MetricsLogger:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
 
-        steps = [step for step, _, _ in self._history]
+        steps = self._steps
         figure = Figure(figsize=(8, 6), layout="constrained")
         FigureCanvasAgg(figure)
         reward_axes, throughput_axes = figure.subplots(2, 1, sharex=True)
-        reward_axes.plot(steps, [reward for _, reward, _ in self._history], color="tab:blue")
+        reward_axes.plot(steps, self._rewards, color="tab:blue", label="train")
+        validated = [
+            (version, float(row["val/reward_mean"]))
+            for version, row in sorted(self._validation.items())
+            if isinstance(row.get("val/reward_mean"), int | float)
+        ]
+        if validated:
+            reward_axes.plot(
+                [version for version, _ in validated],
+                [value for _, value in validated],
+                color="tab:green",
+                marker="o",
+                label="validation (val/reward_mean)",
+            )
+            reward_axes.legend(loc="best")
         reward_axes.set_ylabel("reward_mean")
         reward_axes.grid(alpha=0.3)
-        throughput_axes.plot(steps, [tps for _, _, tps in self._history], color="tab:orange")
+        throughput_axes.plot(steps, self._throughputs, color="tab:orange")
         throughput_axes.set_ylabel("tokens_per_s")
         throughput_axes.set_xlabel("step")
         throughput_axes.grid(alpha=0.3)

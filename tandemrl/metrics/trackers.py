@@ -2,7 +2,9 @@
 
 Each tracker is a ``MetricsSink``: ``log_step(step, metrics)`` receives exactly the rows
 ``MetricsLogger`` writes to metrics.jsonl and logs every numeric field at that step (the
-same scalars TensorBoard gets); ``close()`` ends the run. ``open_trackers`` starts the ones
+same scalars TensorBoard gets); ``log_validation(version, metrics)`` gets each validation pass
+(its ``val/`` fields at the version it evaluated: MLflow at that step; W&B, whose steps only
+grow, against its own ``val/trainer_version`` axis); ``close()`` ends the run. ``open_trackers`` starts the ones
 ``logger.wandb.enabled`` / ``logger.mlflow.enabled`` ask for.
 
 - W&B: ``wandb.init`` with ``dir=<log_dir>``; ``logger.wandb.mode: offline`` (or
@@ -32,6 +34,7 @@ log = logging.getLogger(__name__)
 WANDB_RUN_ID_FILE = "wandb_run_id"
 MLFLOW_RUN_ID_FILE = "mlflow_run_id"
 MLFLOW_DEFAULT_DB = "mlflow.db"
+VALIDATION_AXIS = "val/trainer_version"
 # MLflow's limit on one param value; longer values are cut (a config list can be long).
 _MLFLOW_PARAM_CHARS = 6000
 
@@ -43,7 +46,16 @@ class TrackerError(RuntimeError):
 class MetricsSink(Protocol):
     def log_step(self, step: int, metrics: Mapping[str, Any]) -> None: ...
 
+    def log_validation(self, version: int, metrics: Mapping[str, Any]) -> None: ...
+
     def close(self) -> None: ...
+
+
+def validation_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """The ``val/`` numbers of a validation pass's row."""
+    return {
+        name: value for name, value in numeric_metrics(metrics).items() if name.startswith("val/")
+    }
 
 
 def numeric_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
@@ -127,10 +139,17 @@ class WandbSink:
                 "logger.wandb.mode: offline (or WANDB_MODE=offline)"
             ) from exc
         (log_dir / WANDB_RUN_ID_FILE).write_text(self.run.id, encoding="utf-8")
+        # A pass reports after later steps were logged: its own x axis, the version.
+        self.run.define_metric(VALIDATION_AXIS)
+        self.run.define_metric("val/*", step_metric=VALIDATION_AXIS)
         log.info("wandb: run %s (%s)", self.run.id, self.run.settings.mode)
 
     def log_step(self, step: int, metrics: Mapping[str, Any]) -> None:
         self.run.log(numeric_metrics(metrics), step=step)
+
+    def log_validation(self, version: int, metrics: Mapping[str, Any]) -> None:
+        # commit=False: joins the current step's row, plotted against VALIDATION_AXIS.
+        self.run.log({**validation_metrics(metrics), VALIDATION_AXIS: version}, commit=False)
 
     def close(self) -> None:
         self.run.finish()
@@ -200,6 +219,9 @@ class MlflowSink:
         ]
         if values:
             self.client.log_batch(self.run_id, metrics=values)
+
+    def log_validation(self, version: int, metrics: Mapping[str, Any]) -> None:
+        self.log_step(version, validation_metrics(metrics))
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)

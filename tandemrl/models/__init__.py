@@ -6,10 +6,12 @@ from tandemrl.models.tiny import (
     ModelPathError,
     load_causal_lm,
     load_tokenizer,
+    preset_tokenizer_signature,
     resolve_device,
     resolve_dtype,
     resolve_model_path,
     resolve_tokenizer_path,
+    tokenizer_signature,
 )
 from tandemrl.models.tokenizer import CHAR_ALPHABET, build_char_tokenizer
 
@@ -21,8 +23,10 @@ __all__ = [
     "build_char_tokenizer",
     "load_causal_lm",
     "load_tokenizer",
+    "preset_tokenizer_signature",
     "resolve_device",
     "resolve_dtype",
     "resolve_model_path",
     "resolve_tokenizer_path",
+    "tokenizer_signature",
 ]

@@ -118,3 +118,18 @@ PHI3 = ChatFormat(
         "{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- endif %}"
     ),
 )
+
+# The counting game's format (tiny://qwen2-counting-chat): one special token per role marker
+# and one that ends a turn, nothing else, so that a two-turn episode of the counting task is
+# about twenty tokens and the default tiny model learns it on a CPU in minutes.
+COUNTING_CHAT = ChatFormat(
+    name="counting-chat",
+    special_tokens=("<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|end|>"),
+    end_of_turn="<|end|>",
+    template=(
+        "{%- for message in messages %}"
+        "{{- '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
+        "{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|assistant|>' }}{%- endif %}"
+    ),
+)

@@ -46,7 +46,15 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from tandemrl.models.chat_formats import CHATML, GEMMA, LLAMA3, MISTRAL, PHI3, ChatFormat
+from tandemrl.models.chat_formats import (
+    CHATML,
+    COUNTING_CHAT,
+    GEMMA,
+    LLAMA3,
+    MISTRAL,
+    PHI3,
+    ChatFormat,
+)
 from tandemrl.models.tokenizer import (
     CHAR_ALPHABET,
     CHAT_ALPHABET,
@@ -147,6 +155,21 @@ TINY_PRESETS: dict[str, TinyPreset] = {
             "tie_word_embeddings": True,
             "max_position_embeddings": 128,
         },
+    ),
+    # The default model's shape with a compact chat format (chat_formats.COUNTING_CHAT): the
+    # agent exemplar's two-turn counting game (examples/configs/grpo_tiny_cpu_agent.yaml).
+    "qwen2-counting-chat": TinyPreset(
+        architecture="qwen2",
+        config_kwargs={
+            "hidden_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "intermediate_size": 512,
+            "tie_word_embeddings": True,
+            "max_position_embeddings": 128,
+        },
+        chat=COUNTING_CHAT,
     ),
     # A second architecture (untied embeddings, no attention bias), about 3.2 M parameters.
     "llama-small": TinyPreset(
@@ -348,3 +371,27 @@ def load_causal_lm(
 
 def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(str(path))
+
+
+def preset_tokenizer_signature(model_name: str) -> tuple[str, ...] | None:
+    """What a ``tiny://`` preset's tokenizer is made of (its special tokens, alphabet and chat
+    tokens), read from the preset without any file; None for a folder or an unknown preset."""
+    if not model_name.startswith(TINY_SCHEME):
+        return None
+    preset = TINY_PRESETS.get(model_name[len(TINY_SCHEME) :])
+    if preset is None:
+        return None
+    return (*SPECIAL_TOKENS, preset.alphabet, *preset.extra_special_tokens)
+
+
+def tokenizer_signature(tokenizer: PreTrainedTokenizerBase) -> str:
+    """sha256 of a loaded tokenizer's vocabulary (token → id, added tokens included) and its
+    special token ids: two tokenizers with one signature map every text to the same ids."""
+    payload = {
+        "vocab": sorted(tokenizer.get_vocab().items()),
+        "special": {
+            name: getattr(tokenizer, name, None)
+            for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
+        },
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()

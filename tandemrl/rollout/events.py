@@ -4,12 +4,15 @@ A prompt group's life, in events::
 
     admitted ──> staged* ──> committed ──> trained
         │                        ├──────> evicted    (windowed: too stale to train)
+        ├──────> filtered   (dynamic sampling: zero advantage)
         └──> dropped             └──────> promoted   (in_order replacement: to an earlier step)
 
 - ``admitted``: a prompt was drawn and its group opened in the ledger (its slot reserved);
 - ``staged``: some siblings finished (generated and scored) before the whole group did;
 - ``committed``: the group's rows are in the data plane; its slot turns ready right after;
 - ``trained``: a step closed, consuming its groups; ``evicted``: ready groups removed unseen;
+- ``filtered``: ready groups of zero advantage removed by dynamic sampling, each leaving a
+  replacement credit in the sampler;
 - ``dropped``: a group left without a commit (retries ran out, or aborted as stale);
 - ``promoted``: a ready group moved to an earlier step to fill a dropped group's place;
 - ``reserve_filled``: spare prompts were drawn into the replacement reserve.
@@ -49,6 +52,9 @@ class OwnershipEvents(Protocol):
     def promoted(self, group_id: str, target_step: int | None) -> None: ...
 
     def evicted(self, group_ids: list[str]) -> None: ...
+
+    def filtered(self, group_ids: list[str]) -> None:
+        """In the synchronous section that removed the groups and recorded their credits."""
 
     def trained(self, step: int, group_ids: list[str]) -> None:
         """Step ``step`` (the new step count) closed, consuming ``group_ids``."""

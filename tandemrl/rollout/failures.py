@@ -2,7 +2,7 @@
 
 Two classes of failure (reference spec, resiliency layer):
 
-- infrastructure: the generation worker died, a request timed out, a transport error. Retried
+- infrastructure: a generation or teacher worker died, a request timed out, a transport error. Retried
   up to ``max_infra_retries`` times with capped exponential backoff
   (``min(backoff_initial_s * 2**k, backoff_max_s)``).
 - data: the reward function or environment raised, or the output was malformed. Retried up to
@@ -31,6 +31,10 @@ class FailureKind(enum.StrEnum):
 
 class DataFailure(Exception):
     """The environment or reward function failed on one completion."""
+
+
+class InfraFailure(Exception):
+    """A worker of the run (a distillation teacher) died or could not be reached."""
 
 
 class RolloutDropped(Exception):
@@ -74,7 +78,13 @@ def classify(exc: BaseException) -> FailureKind:
     if isinstance(exc, DataFailure):
         return FailureKind.DATA
     if isinstance(
-        exc, GenerationError | TimeoutError | asyncio.TimeoutError | ConnectionError | OSError
+        exc,
+        GenerationError
+        | InfraFailure
+        | TimeoutError
+        | asyncio.TimeoutError
+        | ConnectionError
+        | OSError,
     ):
         return FailureKind.INFRA
     if isinstance(exc, _ray_worker_errors()):

@@ -133,6 +133,11 @@ class GenerationPool:
         return [w.engine for w in self._workers if w.alive]
 
     @property
+    def open_batches(self) -> int:
+        """Coalesced generate calls sent and not answered yet."""
+        return len(self._batches)
+
+    @property
     def num_alive(self) -> int:
         return sum(w.alive for w in self._workers)
 

@@ -5,10 +5,11 @@ is dropped). Together with the dataloader position, the replay buffer and the co
 it accounts for every prompt exactly once: drawn → in the ledger → in the buffer → trained.
 
 For each group the ledger stores the recovery granularity resolved when the group opened
-(``agent_granularity_overrides[agent_ref]`` wins over
+(``agent_granularity_overrides[agent_ref]``, where an agent run's rows default to
+``env.target`` as their agent_ref, wins over
 ``task_source_granularity_overrides[task_source]``, which wins over ``default_granularity``),
 so a restart with a changed config never reinterprets an existing group. With token capture
-on, finished siblings are staged here with their tokens: ``sibling`` recovery reuses them and
+on, finished siblings (and agent episodes, with every turn's tokens) are staged here: ``sibling`` recovery reuses them and
 regenerates only unfinished siblings, ``prompt_group`` discards them and regenerates all.
 A sibling becomes a training row only when its whole group has finished.
 """
@@ -20,13 +21,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandemrl.config.models import Granularity, RolloutRecoveryConfig
-from tandemrl.records import EnvResult, GenerationResult, PromptItem
+from tandemrl.records import AgentEpisode, AgentTurn, EnvResult, GenerationResult, PromptItem
 
 
 @dataclass(slots=True)
 class StagedSibling:
-    result: GenerationResult
+    """A finished sibling: its generation and score, or an agent's episode and result."""
+
+    result: GenerationResult | None  # None for an agent episode (its turns are in ``episode``)
     env_result: EnvResult
+    episode: AgentEpisode | None = None
 
 
 @dataclass
@@ -39,14 +43,25 @@ class UnfinishedGroup:
     staged: dict[int, StagedSibling] = field(default_factory=dict)
     # True once the group was carried over a restart (for metrics and tests).
     recovered: bool = False
+    # On-policy distillation: each sibling's teacher logprobs, one per completion token (the
+    # teachers' rollout-pump stage sets them just before the commit; None until then).
+    teacher_logprobs: list[list[float]] | None = None
+    # Teacher passes this process ran for the group (the run journal records it at commit).
+    teacher_passes: int = 0
 
     def discard_staged(self) -> None:
         self.staged.clear()
+        self.teacher_logprobs = None
 
 
-def resolve_granularity(item: PromptItem, cfg: RolloutRecoveryConfig) -> Granularity:
-    if item.agent_ref is not None and item.agent_ref in cfg.agent_granularity_overrides:
-        return cfg.agent_granularity_overrides[item.agent_ref]
+def resolve_granularity(
+    item: PromptItem, cfg: RolloutRecoveryConfig, *, default_agent_ref: str | None = None
+) -> Granularity:
+    """The group's recovery granularity. ``default_agent_ref``: the agent a row without an
+    ``agent_ref`` of its own runs (``env.target`` on an agent run)."""
+    agent_ref = item.agent_ref if item.agent_ref is not None else default_agent_ref
+    if agent_ref is not None and agent_ref in cfg.agent_granularity_overrides:
+        return cfg.agent_granularity_overrides[agent_ref]
     if item.task_source is not None and item.task_source in cfg.task_source_granularity_overrides:
         return cfg.task_source_granularity_overrides[item.task_source]
     return cfg.default_granularity
@@ -55,17 +70,47 @@ def resolve_granularity(item: PromptItem, cfg: RolloutRecoveryConfig) -> Granula
 _RESULT_FIELDS = tuple(f.name for f in dataclasses.fields(GenerationResult))
 _ENV_RESULT_FIELDS = tuple(f.name for f in dataclasses.fields(EnvResult))
 _ITEM_FIELDS = tuple(f.name for f in dataclasses.fields(PromptItem))
+_TURN_FIELDS = tuple(f.name for f in dataclasses.fields(AgentTurn))
 
 
 def staged_entry(sibling: StagedSibling) -> dict[str, Any]:
     # Shallow copies of the two flat records (``dataclasses.asdict`` deep-copies every token
     # list: the commit log calls this for every sibling it writes). Nobody mutates a staged
     # result, so sharing its lists until they are serialized is safe.
-    result, env_result = sibling.result, sibling.env_result
-    return {
-        "result": {name: getattr(result, name) for name in _RESULT_FIELDS},
+    result, env_result, episode = sibling.result, sibling.env_result, sibling.episode
+    entry: dict[str, Any] = {
+        "result": None
+        if result is None
+        else {name: getattr(result, name) for name in _RESULT_FIELDS},
         "env_result": {name: getattr(env_result, name) for name in _ENV_RESULT_FIELDS},
     }
+    if episode is not None:
+        entry["episode"] = {
+            "turns": [
+                {name: getattr(turn, name) for name in _TURN_FIELDS} for turn in episode.turns
+            ],
+            "ended_by": episode.ended_by,
+        }
+    return entry
+
+
+def staged_from_entry(value: dict[str, Any]) -> StagedSibling:
+    """The inverse of ``staged_entry``; raises KeyError/TypeError/ValueError on a bad entry."""
+    raw_episode = value.get("episode")
+    episode = None
+    if raw_episode is not None:
+        episode = AgentEpisode(
+            turns=[AgentTurn(**turn) for turn in raw_episode["turns"]],
+            ended_by=raw_episode["ended_by"],
+        )
+    raw_result = value["result"]
+    if raw_result is None and episode is None:
+        raise ValueError("a staged sibling holds neither a generation result nor an episode")
+    return StagedSibling(
+        result=None if raw_result is None else GenerationResult(**raw_result),
+        env_result=EnvResult(**value["env_result"]),
+        episode=episode,
+    )
 
 
 def group_entry(group: UnfinishedGroup, *, with_staged: bool) -> dict[str, Any]:
@@ -73,7 +118,7 @@ def group_entry(group: UnfinishedGroup, *, with_staged: bool) -> dict[str, Any]:
     staged = {}
     if with_staged:
         staged = {str(index): staged_entry(sibling) for index, sibling in group.staged.items()}
-    return {
+    entry: dict[str, Any] = {
         "item": {name: getattr(group.item, name) for name in _ITEM_FIELDS},
         "group_id": group.group_id,
         "target_step": group.target_step,
@@ -81,12 +126,25 @@ def group_entry(group: UnfinishedGroup, *, with_staged: bool) -> dict[str, Any]:
         "granularity": group.granularity,
         "staged": staged,
     }
+    if with_staged and group.teacher_logprobs is not None:
+        # The commit log's record of a committed group: replay rebuilds its rows with them,
+        # so no teacher scores a committed group twice.
+        entry["teacher_logprobs"] = group.teacher_logprobs
+    return entry
 
 
 class OwnershipLedger:
-    def __init__(self, cfg: RolloutRecoveryConfig, *, token_capture: bool) -> None:
+    def __init__(
+        self,
+        cfg: RolloutRecoveryConfig,
+        *,
+        token_capture: bool,
+        default_agent_ref: str | None = None,
+    ) -> None:
         self.cfg = cfg
         self.token_capture = token_capture
+        # Agent runs: env.target, the agent_ref of rows that name none (for the overrides).
+        self.default_agent_ref = default_agent_ref
         self._groups: dict[str, UnfinishedGroup] = {}
 
     def open(
@@ -95,9 +153,8 @@ class OwnershipLedger:
         if group_id in self._groups:
             raise KeyError(f"prompt group {group_id} is already in the ownership ledger")
         # Positional, in field order: this runs once per dispatched prompt group.
-        group = UnfinishedGroup(
-            item, group_id, target_step, start_weight, resolve_granularity(item, self.cfg)
-        )
+        granularity = resolve_granularity(item, self.cfg, default_agent_ref=self.default_agent_ref)
+        group = UnfinishedGroup(item, group_id, target_step, start_weight, granularity)
         self._groups[group_id] = group
         return group
 
@@ -141,11 +198,7 @@ class OwnershipLedger:
                 if granularity not in ("sibling", "prompt_group"):
                     raise ValueError(f"granularity {granularity!r} of group {raw['group_id']}")
                 staged = {
-                    int(index): StagedSibling(
-                        result=GenerationResult(**value["result"]),
-                        env_result=EnvResult(**value["env_result"]),
-                    )
-                    for index, value in raw["staged"].items()
+                    int(index): staged_from_entry(value) for index, value in raw["staged"].items()
                 }
                 groups.append(
                     UnfinishedGroup(
@@ -156,9 +209,10 @@ class OwnershipLedger:
                         granularity=granularity,
                         staged=staged,
                         recovered=True,
+                        teacher_logprobs=raw.get("teacher_logprobs"),
                     )
                 )
-        except (KeyError, TypeError) as exc:
+        except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(
                 f"malformed ownership ledger entry: missing or bad field {exc}"
             ) from exc

@@ -13,7 +13,13 @@ rollout:
 3. retry failures by class (infrastructure with capped backoff, data without), at the
    group's recovery granularity: ``sibling`` regenerates only the failed siblings,
    ``prompt_group`` regenerates all of them;
-4. once every sibling finished, write the group's rows to the data plane as one ``RowBlock``
+4. on-policy distillation with ``teacher_scoring: rollout``: once every sibling finished, the
+   prompt's teacher scores the group's completions (``tandemrl.rollout.teachers``; a dead
+   teacher worker is retried like a generation failure), and the logprobs become the rows'
+   ``teacher_logprobs`` field and part of the commit log record;
+5. once every sibling finished, turn each environment reward into the reward the rows carry
+   (``reward_scaling``, then ``reward_shaping``: ``tandemrl.training.rewards``), and write the
+   group's rows to the data plane as one ``RowBlock``
    (``put_block``), then commit the slot with the observed ``end_weight`` — both under the
    checkpoint barrier, so a snapshot never sees rows without their index entry or the
    reverse.
@@ -37,16 +43,23 @@ import zlib
 from collections import deque
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import NoReturn
+from typing import NoReturn, Protocol
 
 from tandemrl.barrier import CheckpointBarrier
 from tandemrl.buffer import ReplayBuffer, Slot
 from tandemrl.codec import TextCodec
 from tandemrl.config.models import RolloutFailureConfig
 from tandemrl.dataplane.base import DataPlane, RowBlock
-from tandemrl.dataplane.rows import make_group_block
+from tandemrl.dataplane.rows import make_group_block, make_sequence_block
 from tandemrl.envs.base import Environment
-from tandemrl.records import EnvResult, GenerationRequest, GenerationResult, PromptItem, RowMeta
+from tandemrl.records import (
+    EnvResult,
+    GenerationRequest,
+    GenerationResult,
+    PromptItem,
+    RowMeta,
+    TeacherRequest,
+)
 from tandemrl.rollout.events import OwnershipEvents
 from tandemrl.rollout.failures import (
     DataFailure,
@@ -63,6 +76,9 @@ from tandemrl.rollout.generation_pool import (
     within_awake_time,
 )
 from tandemrl.rollout.ledger import OwnershipLedger, StagedSibling, UnfinishedGroup
+from tandemrl.rollout.teachers import NoTeacherWorkers, TeacherScorer
+from tandemrl.rollout.token_capture import OnPrefixMismatch, merge_turns
+from tandemrl.training.rewards import RewardTransform
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +96,19 @@ class SamplingParams:
 
 class GroupAborted(Exception):
     """The group's in-flight generation was aborted as stale (windowed sampler)."""
+
+
+class EpisodeRunner(Protocol):
+    """Plays agent episodes (``tandemrl.agents.runner.AgentRollouts``, built by the controller)."""
+
+    on_prefix_mismatch: OnPrefixMismatch
+
+    async def run_siblings(
+        self, group: UnfinishedGroup, siblings: list[int], attempt: int
+    ) -> list[StagedSibling | BaseException]:
+        """One episode per sibling: its staged sibling, or the exception that failed it
+        (``DataFailure``, an infrastructure error, ``GroupAborted``)."""
+        ...
 
 
 @lru_cache(maxsize=8)
@@ -133,7 +162,7 @@ class RolloutManager:
         buffer: ReplayBuffer,
         data_plane: DataPlane,
         generation: GenerationPool,
-        env: Environment,
+        env: Environment | None,
         codec: TextCodec,
         sampling: SamplingParams,
         group_size: int,
@@ -144,6 +173,10 @@ class RolloutManager:
         overlong_filtering: bool = False,
         seed: int = 0,
         events: OwnershipEvents | None = None,
+        agents: EpisodeRunner | None = None,
+        reward_transform: RewardTransform | None = None,
+        teachers: TeacherScorer | None = None,
+        teacher_stage: bool = False,
     ) -> None:
         self.buffer = buffer
         self.data_plane = data_plane
@@ -160,15 +193,26 @@ class RolloutManager:
         self.budgets = budgets
         self.barrier = barrier
         self.overlong_filtering = overlong_filtering
+        # reward_scaling / reward_shaping (None or inactive: the environment's reward as is).
+        self.reward_transform = (
+            reward_transform if reward_transform is not None and reward_transform.active else None
+        )
         self.seed = seed
         # The journal and/or the commit log; None when neither is on.
         self.events = events
+        # On-policy distillation: the teachers (each row records its teacher's index) and
+        # whether they score each group here, before its commit (teacher_scoring: rollout).
+        self.teachers = teachers
+        self.teacher_stage = teacher_stage and teachers is not None
+        self.teacher_passes = 0  # groups scored by the teacher stage (metrics, chaos proofs)
         # The latest completions with their rewards, for the metrics' sample log.
         self.recent_samples: deque[dict[str, object]] = deque(maxlen=RECENT_SAMPLES)
         self.generated_siblings = 0  # completions produced by the engines (metrics, chaos proofs)
         self.reused_siblings = 0  # staged completions reused after a failure or restart
         # Requests of each group's generation call in flight (to abort them on the engine).
         self.active_requests: dict[str, list[GenerationRequest]] = {}
+        # Agent runs (env.name: agent): the siblings are episodes played by this runner.
+        self.agents = agents
 
     # ------------------------------------------------------------------ dispatch
 
@@ -203,7 +247,15 @@ class RolloutManager:
         """Drive ``group`` to a committed slot; raise RolloutDropped when it is dropped."""
         reused = set(group.staged)
         try:
-            await self._generate_all_siblings(group)
+            if self.teachers is not None:
+                self._check_teacher(group, self.teachers)
+            if self.agents is None:
+                await self._generate_all_siblings(group)
+            else:
+                await self._run_all_episodes(group, self.agents)
+            if self.teacher_stage and group.teacher_logprobs is None:
+                assert self.teachers is not None
+                await self._teacher_pass(group, self.teachers)
             await self._push_and_commit(group, reused)
         except RolloutDropped as dropped:
             dropped.slot = await self._drop(group)
@@ -339,6 +391,87 @@ class RolloutManager:
             if failed_any and group.granularity == "prompt_group":
                 group.discard_staged()
 
+    async def _run_all_episodes(self, group: UnfinishedGroup, agents: EpisodeRunner) -> None:
+        """``_generate_all_siblings`` for agent runs: one episode per unfinished sibling, all at
+        once; staged, retried and dropped by the same rules (data failures per sibling,
+        infrastructure failures per round with backoff)."""
+        infra_retries = 0
+        data_retries: dict[int, int] = {}
+        attempt = 0
+        self.reused_siblings += len(group.staged)
+        while len(group.staged) < self.group_size:
+            pending = [i for i in range(self.group_size) if i not in group.staged]
+            attempt += 1
+            outcomes = await agents.run_siblings(group, pending, attempt)
+            self.generated_siblings += len(pending)
+            infra: BaseException | None = None
+            failed_any = False
+            finished = []
+            for sibling, outcome in zip(pending, outcomes, strict=True):
+                if isinstance(outcome, StagedSibling):
+                    group.staged[sibling] = outcome
+                    finished.append(sibling)
+                    continue
+                if isinstance(outcome, NoGenerationWorkers | GroupAborted):
+                    raise outcome
+                if classify(outcome) is FailureKind.INFRA:
+                    infra = infra or outcome
+                    continue
+                retries = data_retries.get(sibling, 0)
+                record = self._record(group, sibling, retries + 1, FailureKind.DATA, outcome)
+                if retries >= self.failure_cfg.max_data_retries:
+                    raise RolloutDropped(group.group_id, record) from outcome
+                data_retries[sibling] = retries + 1
+                failed_any = True
+            if finished and self.events is not None:
+                self.events.staged(group, finished)
+            if infra is not None:
+                record = self._record(group, None, infra_retries + 1, FailureKind.INFRA, infra)
+                if infra_retries >= self.failure_cfg.max_infra_retries:
+                    raise RolloutDropped(group.group_id, record) from infra
+                await asyncio.sleep(backoff_delay(infra_retries, self.failure_cfg))
+                infra_retries += 1
+            if (failed_any or infra is not None) and group.granularity == "prompt_group":
+                group.discard_staged()
+
+    def _check_teacher(self, group: UnfinishedGroup, teachers: TeacherScorer) -> None:
+        """A prompt no teacher serves is dropped before anything is generated for it."""
+        try:
+            teachers.index_for(group.item)
+        except DataFailure as failure:
+            self._drop_unretryable(group, failure)
+
+    async def _teacher_pass(self, group: UnfinishedGroup, teachers: TeacherScorer) -> None:
+        """The group's teacher logprobs (every sibling finished); a dead teacher worker is an
+        infrastructure failure, retried with backoff like a generation worker's."""
+        staged = group.staged
+        prompt_ids = staged[0].result.prompt_token_ids
+        requests = [
+            TeacherRequest(
+                f"{group.group_id}/{sibling}", prompt_ids, staged[sibling].result.token_ids
+            )
+            for sibling in range(self.group_size)
+        ]
+        infra_retries = 0
+        while True:
+            try:
+                group.teacher_logprobs = await teachers.score_group(group.item, requests)
+                group.teacher_passes += 1
+                self.teacher_passes += 1
+                return
+            except NoTeacherWorkers:
+                raise
+            except Exception as exc:
+                kind = classify(exc)
+                if kind is not FailureKind.INFRA:
+                    failure = exc if isinstance(exc, DataFailure) else DataFailure(str(exc))
+                    self._drop_unretryable(group, failure)
+                record = self._record(group, None, infra_retries + 1, kind, exc)
+                if infra_retries >= self.failure_cfg.max_infra_retries:
+                    raise RolloutDropped(group.group_id, record) from exc
+                await asyncio.sleep(backoff_delay(infra_retries, self.failure_cfg))
+                infra_retries += 1
+
     async def _generate_within_rollout_deadline(
         self, group: UnfinishedGroup, requests: list[GenerationRequest], *, attempt_started: float
     ) -> list[GenerationResult]:
@@ -364,8 +497,15 @@ class RolloutManager:
     async def _score_all(
         self, group: UnfinishedGroup, results: list[GenerationResult]
     ) -> list[EnvResult | DataFailure]:
-        """Score a round's completions with one ``score_group_async`` call (the environment
-        keeps the event loop free: see ``tandemrl.envs.base``); failures per sibling."""
+        return await self.score_results(group.item, results)
+
+    async def score_results(
+        self, item: PromptItem, results: list[GenerationResult], *, log_sample: bool = True
+    ) -> list[EnvResult | DataFailure]:
+        """Score a round's completions of ``item`` with one ``score_group_async`` call (the
+        environment keeps the event loop free: see ``tandemrl.envs.base``); failures per
+        completion. ``log_sample``: the first completion joins the training sample log (not
+        for validation passes)."""
         texts: list[str] = []
         undecodable: dict[int, DataFailure] = {}
         decode, stops = self.codec.decode, self._stop_ids
@@ -379,17 +519,22 @@ class RolloutManager:
             except Exception as exc:  # the codec is user code too: this sibling's data failure
                 undecodable[index] = _as_data_failure(exc)
         if not undecodable:
-            return await self._score_texts(group, results, texts)
+            return await self._score_texts(item, results, texts, log_sample)
         decoded = [result for index, result in enumerate(results) if index not in undecodable]
-        scored = iter(await self._score_texts(group, decoded, texts) if texts else [])
+        scored = iter(await self._score_texts(item, decoded, texts, log_sample) if texts else [])
         return [undecodable.get(index) or next(scored) for index in range(len(results))]
 
     async def _score_texts(
-        self, group: UnfinishedGroup, results: list[GenerationResult], texts: list[str]
+        self,
+        item: PromptItem,
+        results: list[GenerationResult],
+        texts: list[str],
+        log_sample: bool,
     ) -> list[EnvResult | DataFailure]:
         truncated = [result.finish_reason == "length" for result in results]
+        assert self.env is not None  # an agent run (no env) plays episodes instead
         try:
-            scored = await self.env.score_group_async(group.item, texts, truncated=truncated)
+            scored = await self.env.score_group_async(item, texts, truncated=truncated)
             if len(scored) != len(texts):
                 raise ValueError(
                     f"{type(self.env).__name__}.score_group_async returned {len(scored)} "
@@ -397,11 +542,11 @@ class RolloutManager:
                 )
         except Exception as exc:  # any exception from user reward code is a data failure
             scored = [exc] * len(texts)
-        if texts and type(scored[0]) is EnvResult:
+        if log_sample and texts and type(scored[0]) is EnvResult:
             self.recent_samples.append(
                 {
-                    "prompt_id": group.item.prompt_id,
-                    "prompt": group.item.prompt,
+                    "prompt_id": item.prompt_id,
+                    "prompt": item.prompt,
                     "completion": texts[0],
                     "reward": float(scored[0].reward),
                     "finish_reason": results[0].finish_reason,
@@ -445,6 +590,8 @@ class RolloutManager:
 
     def _rows(self, group: UnfinishedGroup) -> tuple[RowBlock, list[RowMeta]]:
         """The group's rows as one block, and their metadata for the replay buffer."""
+        if self.agents is not None:
+            return self._episode_rows(group, self.agents.on_prefix_mismatch)
         group_id = group.group_id
         staged = group.staged
         filter_overlong = self.overlong_filtering
@@ -453,9 +600,16 @@ class RolloutManager:
         for sibling, suffix in enumerate(_sample_id_suffixes(self.group_size)):
             entry = staged[sibling]
             result, env_result = entry.result, entry.env_result
+            assert result is not None  # only an agent episode has none (_episode_rows)
             truncated = result.finish_reason == "length"
             keep = 1.0 if env_result.keep and not (filter_overlong and truncated) else 0.0
             reward = float(env_result.reward)
+            env_metrics = numeric_metadata(env_result.metadata) if env_result.metadata else None
+            if self.reward_transform is not None:
+                env_metrics = {**(env_metrics or {}), "reward_before_shaping": reward}
+                reward = self.reward_transform(
+                    reward, completion_tokens=len(result.token_ids), truncated=truncated
+                )
             sample_id = group_id + suffix  # f"{group_id}/{sibling}"
             sample_ids.append(sample_id)
             rewards.append(reward)
@@ -474,12 +628,95 @@ class RolloutManager:
                     truncated,
                     result.start_weight_version,
                     result.end_weight_version,
-                    numeric_metadata(env_result.metadata) if env_result.metadata else None,
+                    env_metrics,
                 )
             )
+        first = staged[0].result
+        assert first is not None
         block = make_group_block(
-            sample_ids, staged[0].result.prompt_token_ids, completions, logprobs, rewards, keeps
+            sample_ids,
+            first.prompt_token_ids,
+            completions,
+            logprobs,
+            rewards,
+            keeps,
+            None if self.teachers is None else self.teachers.index_for(group.item),
+            group.teacher_logprobs,
         )
+        return block, metas
+
+    def _episode_rows(
+        self, group: UnfinishedGroup, on_prefix_mismatch: OnPrefixMismatch
+    ) -> tuple[RowBlock, list[RowMeta]]:
+        """An agent group's rows: each episode's turns merged by prefix into one row, or one
+        row per run of turns that extend each other (``on_prefix_mismatch: split``). Every row
+        of an episode carries its reward; the first also its counters (``agent/...``)."""
+        group_id = group.group_id
+        filter_overlong = self.overlong_filtering
+        sample_ids, rewards, keeps, metas = [], [], [], []
+        input_ids, token_masks, logprobs = [], [], []
+        for sibling in range(self.group_size):
+            entry = group.staged[sibling]
+            episode, env_result = entry.episode, entry.env_result
+            if episode is None:
+                raise ValueError(f"group {group_id} sibling {sibling} holds no agent episode")
+            sequences = merge_turns(episode.turns, on_prefix_mismatch=on_prefix_mismatch)
+            truncated = episode.truncated
+            keep = 1.0 if env_result.keep and not (filter_overlong and truncated) else 0.0
+            reward = float(env_result.reward)
+            counters = numeric_metadata(env_result.metadata) or {}
+            if self.reward_transform is not None:  # over the whole episode's sampled tokens
+                counters["reward_before_shaping"] = reward
+                reward = self.reward_transform(
+                    reward,
+                    completion_tokens=sum(len(turn.token_ids) for turn in episode.turns),
+                    truncated=truncated,
+                )
+            counters.update(
+                {
+                    "agent/turns_mean": float(len(episode.turns)),
+                    "agent/prefix_split_frac": float(len(sequences) > 1),
+                    "agent/truncated_frac": float(truncated),
+                }
+            )
+            for index, sequence in enumerate(sequences):
+                suffix = "" if len(sequences) == 1 else f"/r{index}"
+                sample_id = f"{group_id}/{sibling}{suffix}"
+                sample_ids.append(sample_id)
+                rewards.append(reward)
+                keeps.append(keep)
+                input_ids.append(sequence.input_ids)
+                token_masks.append(sequence.token_mask)
+                logprobs.append(sequence.logprobs)
+                first_turn = episode.turns[sequence.turns[0]]
+                metas.append(
+                    RowMeta(
+                        sample_id,
+                        group_id,
+                        sibling,
+                        reward,
+                        keep,
+                        len(first_turn.prompt_token_ids),
+                        sequence.num_sampled_tokens,
+                        truncated,
+                        sequence.start_weight_version,
+                        sequence.end_weight_version,
+                        counters if index == 0 else None,
+                    )
+                )
+            if sibling == 0:
+                first = sequences[0]
+                prompt_length = len(episode.turns[0].prompt_token_ids)
+                self.recent_samples.append(
+                    {
+                        "prompt_id": group.item.prompt_id,
+                        "prompt": group.item.prompt,
+                        "completion": self.codec.decode(first.input_ids[prompt_length:]),
+                        "reward": reward,
+                        "finish_reason": episode.turns[-1].finish_reason,
+                    }
+                )
+        block = make_sequence_block(sample_ids, input_ids, token_masks, logprobs, rewards, keeps)
         return block, metas
 
     async def _push_and_commit(self, group: UnfinishedGroup, reused: set[int]) -> None:
@@ -511,6 +748,10 @@ class RolloutManager:
         block, metas = self._rows(group)
         await self.data_plane.put_block(block)
         return metas
+
+    async def clear_replayed_rows(self, sample_ids: list[str]) -> None:
+        """Commit-log replay: clear the rows of a restored group the log says was removed."""
+        await self.data_plane.clear(sample_ids)
 
     async def drop_aborted(self, group: UnfinishedGroup) -> None:
         """Remove a group whose generation the controller aborted as stale."""

@@ -41,6 +41,10 @@ gate slot, exactly as a dropped in_order group keeps its dispatch index. Two con
   dispatches the replacement through ``admit_replacement``, which is NOT gated: it reuses the
   dropped group's slot. Gating it could deadlock (the trainer waits for the replacement to fill
   the step, the replacement waits for the trainer to finish the step).
+- dynamic sampling (``grpo.use_dynamic_sampling``) reports a filtered zero-advantage group
+  with ``on_group_filtered``; the replacement is owed until the rollout pump's next ``admit``,
+  which returns it before it consults the gate (so it is not gated either, for the same
+  reason).
 
 After a restart, ``load_dispatch_state`` restores the admission count, which already includes
 the groups that were in flight at the snapshot; the recovery ledger redispatches those with
@@ -91,6 +95,9 @@ class PromptGroupSampler(ABC):
         self.num_admitted = 0
         # target_step (None outside in_order) of each dropped group not yet replaced.
         self.replacement_credits: list[int | None] = []
+        # target_step (None outside in_order) of each group dynamic sampling filtered whose
+        # replacement the rollout pump has not drawn yet (handed out by ``admit``).
+        self.owed_replacements: list[int | None] = []
         self._closed = False
         self._wakeup: asyncio.Event | None = None
         self._wakeup_loop: asyncio.AbstractEventLoop | None = None
@@ -98,10 +105,16 @@ class PromptGroupSampler(ABC):
     # ------------------------------------------------------------------ rollout side
 
     async def admit(self, *, trainer_version_fn: TrainerVersionFn) -> int | None:
-        """Wait until the gate admits one more prompt; return its target_step (or None)."""
+        """Wait until the gate admits one more prompt; return its target_step (or None).
+
+        A replacement owed for a filtered group (``on_group_filtered``) is handed out first,
+        without the gate: the step it belongs to needs a fresh group to fill.
+        """
         while True:
             if self._closed:
                 raise SamplerClosed(f"{self.name} sampler is closed; no more prompts are admitted")
+            if self.owed_replacements:
+                return self.owed_replacements.pop(0)
             if self.gate_open(trainer_version_fn()):
                 return self._record_admission()
             await self._wait_for_notify()
@@ -123,6 +136,11 @@ class PromptGroupSampler(ABC):
         (windowed) is not reported here.
         """
         self.replacement_credits.append(slot.target_step)
+
+    def on_group_filtered(self, slot: Slot) -> None:
+        """Dynamic sampling removed a ready group of zero advantage: its step is one group
+        short, so the next ``admit`` returns a replacement for it at once, ungated."""
+        self.owed_replacements.append(slot.target_step)
 
     def on_group_promoted(self, *, from_step: int | None, to_step: int | None) -> None:
         """A ready group of ``from_step`` filled a dropped place of ``to_step``.
@@ -193,6 +211,7 @@ class PromptGroupSampler(ABC):
             "sampler": self.name,
             "num_admitted": self.num_admitted,
             "replacement_credits": list(self.replacement_credits),
+            "owed_replacements": list(self.owed_replacements),
         }
 
     def load_dispatch_state(self, state: dict[str, Any]) -> None:
@@ -204,15 +223,18 @@ class PromptGroupSampler(ABC):
             )
         num_admitted = state.get("num_admitted")
         credits = state.get("replacement_credits", [])
+        owed = state.get("owed_replacements", [])  # absent in states written before it existed
         if not isinstance(num_admitted, int) or num_admitted < 0:
             raise SamplerError(f"dispatch state: bad num_admitted {num_admitted!r}")
-        if not isinstance(credits, list) or not all(
-            c is None or isinstance(c, int) for c in credits
-        ):
-            raise SamplerError(f"dispatch state: bad replacement_credits {credits!r}")
+        for key, steps in (("replacement_credits", credits), ("owed_replacements", owed)):
+            if not isinstance(steps, list) or not all(
+                c is None or isinstance(c, int) for c in steps
+            ):
+                raise SamplerError(f"dispatch state: bad {key} {steps!r}")
         self._check_dispatch_state(state)
         self.num_admitted = num_admitted
         self.replacement_credits = list(credits)
+        self.owed_replacements = list(owed)
         self._apply_dispatch_state(state)
 
     def _check_dispatch_state(self, state: dict[str, Any]) -> None:  # noqa: B027 - optional hook

@@ -15,6 +15,9 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import torch
 
 
@@ -47,6 +50,18 @@ def grpo_advantages(
     if normalize:
         advantages = advantages / (std + eps)
     return advantages
+
+
+def has_zero_advantage(rewards: Sequence[float], *, eps: float = 1e-6) -> bool:
+    """True when ``grpo_advantages`` gives every member of the group 0: fewer than two
+    members, or an unbiased standard deviation below ``eps`` (all rewards equal). Such a
+    group carries no policy-gradient signal (DAPO's dynamic sampling drops it)."""
+    count = len(rewards)
+    if count < 2:
+        return True
+    mean = sum(rewards) / count
+    variance = sum((reward - mean) ** 2 for reward in rewards) / (count - 1)
+    return math.sqrt(variance) < eps
 
 
 def grpo_advantages_by_group(
@@ -162,15 +177,33 @@ def whiten(
     Positions outside the mask are returned as 0. Uses the biased (population) variance;
     fewer than two masked positions leave the values centred but unscaled.
     """
-    mask = mask.to(torch.float32)
-    count = mask.sum()
-    if count.item() == 0:
+    return whiten_together([x], [mask], shift_mean=shift_mean, eps=eps)[0]
+
+
+def whiten_together(
+    xs: Sequence[torch.Tensor],
+    masks: Sequence[torch.Tensor],
+    *,
+    shift_mean: bool = True,
+    eps: float = 1e-8,
+) -> list[torch.Tensor]:
+    """``whiten`` with one mean and variance over the masked positions of every tensor (the
+    chunks of one step, of different lengths): each result equals the matching slice of the
+    whitened concatenation."""
+    masks = [mask.to(torch.float32) for mask in masks]
+    xs = [x.to(torch.float32) for x in xs]
+    count = sum(mask.sum() for mask in masks)
+    if float(count) == 0:
         raise ValueError("whiten: the mask selects no positions")
-    x = x.to(torch.float32)
-    mean = (x * mask).sum() / count
-    variance = (((x - mean) * mask) ** 2).sum() / count
-    centred = x - mean
-    scaled = centred if count.item() < 2 else centred * torch.rsqrt(variance + eps)
-    if not shift_mean:
-        scaled = scaled + mean
-    return scaled * mask
+    mean = sum((x * mask).sum() for x, mask in zip(xs, masks, strict=True)) / count
+    variance = (
+        sum((((x - mean) * mask) ** 2).sum() for x, mask in zip(xs, masks, strict=True)) / count
+    )
+    out = []
+    for x, mask in zip(xs, masks, strict=True):
+        centred = x - mean
+        scaled = centred if float(count) < 2 else centred * torch.rsqrt(variance + eps)
+        if not shift_mean:
+            scaled = scaled + mean
+        out.append(scaled * mask)
+    return out

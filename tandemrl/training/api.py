@@ -12,6 +12,7 @@ from data-plane rows, right-padded to the longest sequence:
 - ``prev_logprobs`` [B, L]: the trainer's own logprobs before the update (from
   ``get_logprobs``), the denominator of the PPO ratio and numerator of the IS weight
 - PPO only: ``values`` [B, L], ``returns`` [B, L]
+- with a KL penalty: ``reference_logprobs`` [B, L], from ``get_reference_logprobs``
 
 Logprob tensors are aligned with ``input_ids``: entry t is log p(input_ids[t] | input_ids[:t]).
 
@@ -63,6 +64,14 @@ class Trainer(Protocol):
     async def save_checkpoint(self, directory: Path, *, save_optimizer: bool) -> None: ...
 
     async def load_checkpoint(self, directory: Path, *, load_optimizer: bool) -> None: ...
+
+
+@runtime_checkable
+class ReferencePolicy(Protocol):
+    """A trainer that also holds a frozen reference policy (loss_fn.reference_policy_kl_penalty)."""
+
+    async def get_reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """[B, L] logprobs of input_ids under the reference policy (no grad)."""
 
 
 @runtime_checkable

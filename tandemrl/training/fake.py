@@ -37,8 +37,14 @@ class FakeTrainer:
         self.optimizer_steps = 0
         self._open: RecordedStep | None = None
         self.weights_version = 0  # bumped per optimizer step; what export_weights hands out
+        self.reference_calls = 0
 
     async def get_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        return batch["generation_logprobs"].clone()
+
+    async def get_reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        # A reference policy that agrees with the generator: KL 0 wherever it is computed.
+        self.reference_calls += 1
         return batch["generation_logprobs"].clone()
 
     async def begin_train_step(self) -> None:
@@ -80,3 +86,35 @@ class FakeTrainer:
         state = json.loads((directory / "fake_trainer.json").read_text())
         self.optimizer_steps = state["optimizer_steps"]
         self.weights_version = state["weights_version"]
+
+
+class FakeTeacher:
+    """A teacher without a model (tests and benchmarks): token ``t`` gets the logprob
+    ``-(offset + t % 7 / 10)``, after ``seconds_per_sequence`` of ``asyncio.sleep`` per
+    sequence (one call at a time, as one worker's model scores). Records every request it
+    scored; ``fail_next`` makes the next calls raise."""
+
+    def __init__(self, *, offset: float = 0.5, seconds_per_sequence: float = 0.0) -> None:
+        self.offset = offset
+        self.seconds_per_sequence = seconds_per_sequence
+        self.scored: list[Any] = []  # every TeacherRequest answered, in order
+        self.calls = 0
+        self.fail_next: list[BaseException] = []
+        # One call at a time, like a worker's one model: concurrent calls queue.
+        self._busy = asyncio.Lock()
+
+    def logprob(self, token: int) -> float:
+        return -(self.offset + (token % 7) / 10)
+
+    async def score(self, requests: list[Any]) -> list[list[float]]:
+        self.calls += 1
+        if self.fail_next:
+            raise self.fail_next.pop(0)
+        if self.seconds_per_sequence > 0:
+            async with self._busy:
+                await asyncio.sleep(self.seconds_per_sequence * len(requests))
+        self.scored.extend(requests)
+        return [[self.logprob(t) for t in r.completion_token_ids] for r in requests]
+
+    async def ping(self) -> dict[str, Any]:
+        return {"scored": len(self.scored)}

@@ -4,7 +4,18 @@ Policy loss, per generated token t of a sequence with advantage A_t:
 
     ratio_t = exp(curr_t - prev_t)                       prev: the trainer's own logprobs
     surrogate_t = max(-A_t·ratio_t, -A_t·clip(ratio_t, 1 - ratio_clip_min, 1 + ratio_clip_max))
-    loss_t = w_t · surrogate_t - entropy_coef · H_t
+    dual clip (ratio_clip_c = c, optional): where A_t < 0, surrogate_t = min(surrogate_t, -c·A_t)
+    loss_t = w_t · surrogate_t + beta · KL_t - entropy_coef · H_t
+
+The clip range may be asymmetric (``ratio_clip_max`` above ``ratio_clip_min``: DAPO's
+clip-higher). The dual clip bounds the loss of a negative-advantage token whose ratio grew
+large, so one such token cannot dominate the step.
+
+``KL_t`` (``reference_policy_kl_penalty`` = beta > 0) penalises drift from a frozen reference
+policy, from the sampled token alone (``reference_kl``): with logr_t = ref_t - curr_t clamped
+to ±``kl_input_clamp_value``, k1 = -logr, k2 = logr²/2, k3 = exp(logr) - 1 - logr (unbiased,
+never negative), times w_t, then clamped to ±``kl_output_clamp_value``. ``ref_t`` comes from
+the batch's ``reference_logprobs`` (the policy worker's frozen copy of the initial weights).
 
 ``w_t`` corrects for off-policy data: the sampled tokens came from the *generating* weights,
 whose logprobs are ``generation_logprobs``, while the PPO ratio is taken against the trainer's
@@ -55,7 +66,8 @@ def _require(batch: TrainBatch, *keys: str) -> None:
     if missing:
         raise KeyError(
             f"train batch lacks {missing}; it has {sorted(batch)}. The advantage stage sets "
-            "'advantages', get_logprobs provides 'prev_logprobs', the value stage "
+            "'advantages', get_logprobs provides 'prev_logprobs', get_reference_logprobs "
+            "'reference_logprobs' (loss_fn.reference_policy_kl_penalty > 0), the value stage "
             "'values'/'returns'"
         )
 
@@ -128,6 +140,33 @@ def importance_weights(
     return weights, raw
 
 
+def reference_kl(
+    curr_logprobs: torch.Tensor,
+    reference_logprobs: torch.Tensor,
+    cfg: LossConfig,
+    weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """[B, L] per-token estimate of KL(pi || pi_ref) (module docstring), differentiable in
+    ``curr_logprobs``; ``weights`` (detached importance weights) multiply it before the
+    output clamp."""
+    log_ratio = reference_logprobs.float() - curr_logprobs.float()
+    if cfg.kl_input_clamp_value is not None:
+        limit = cfg.kl_input_clamp_value
+        log_ratio = log_ratio.clamp(-limit, limit)
+    if cfg.reference_policy_kl_type == "k1":
+        kl = -log_ratio
+    elif cfg.reference_policy_kl_type == "k2":
+        kl = 0.5 * log_ratio.square()
+    else:
+        kl = torch.exp(log_ratio) - 1.0 - log_ratio
+    if weights is not None:
+        kl = weights * kl
+    if cfg.kl_output_clamp_value is not None:
+        limit = cfg.kl_output_clamp_value
+        kl = kl.clamp(-limit, limit)
+    return kl
+
+
 def policy_loss_terms(
     curr_logprobs: torch.Tensor,
     batch: TrainBatch,
@@ -145,6 +184,9 @@ def policy_loss_terms(
     _require(batch, "token_mask", "sample_mask", "advantages", "prev_logprobs")
     if cfg.use_importance_sampling_correction:
         _require(batch, "generation_logprobs")
+    kl_penalty = cfg.reference_policy_kl_penalty
+    if kl_penalty > 0:
+        _require(batch, "reference_logprobs")
     mask = loss_mask(batch).to(curr_logprobs.device)
     tokens, sequences = _normalizers(mask, num_step_tokens, num_step_sequences)
     if cfg.entropy_coef > 0 and entropy is None:
@@ -159,9 +201,20 @@ def policy_loss_terms(
     log_ratio = (curr - prev) * mask
     ratio = torch.exp(log_ratio)
     clipped_ratio = ratio.clamp(1.0 - cfg.ratio_clip_min, 1.0 + cfg.ratio_clip_max)
-    surrogate = torch.maximum(-advantages * ratio, -advantages * clipped_ratio)
+    clipped_surrogate = torch.maximum(-advantages * ratio, -advantages * clipped_ratio)
+    surrogate = clipped_surrogate
+    if cfg.ratio_clip_c is not None:
+        dual_bound = -advantages * cfg.ratio_clip_c
+        surrogate = torch.where(
+            advantages < 0, torch.minimum(clipped_surrogate, dual_bound), clipped_surrogate
+        )
     weights, raw_weights = importance_weights(prev, generation, mask, cfg)
     per_token = weights * surrogate
+    kl = None
+    if kl_penalty > 0:
+        reference = batch["reference_logprobs"].to(curr_logprobs.device, torch.float32)
+        kl = reference_kl(curr, reference, cfg, weights) * mask
+        per_token = per_token + kl_penalty * kl
     if entropy is not None and cfg.entropy_coef > 0:
         per_token = per_token - cfg.entropy_coef * entropy.float()
     loss = _reduce(
@@ -188,6 +241,11 @@ def policy_loss_terms(
         }
         if entropy is not None:
             metrics["entropy"] = (entropy.float() * mask).sum() / denom
+        if cfg.ratio_clip_c is not None:
+            dual_clipped = (surrogate < clipped_surrogate).float()
+            metrics["dual_clip_fraction"] = (dual_clipped * mask).sum() / denom
+        if kl is not None:
+            metrics["kl_reference"] = kl.sum() / denom
     return loss, metrics
 
 
@@ -221,7 +279,9 @@ def policy_loss(
     ``loss``, ``ratio_mean``, ``clip_fraction``, ``is_weight_mean``, ``is_weight_max``
     (raw weights exp(prev - gen)), ``is_masked_fraction`` (tokens the correction dropped),
     ``kl_gen_trainer`` (k3 estimate of KL(generator ‖ trainer) from the sampled tokens),
-    ``entropy`` (when given), ``num_tokens``.
+    ``entropy`` (when given), ``dual_clip_fraction`` (with ``ratio_clip_c``: tokens the dual
+    clip bounded), ``kl_reference`` (with the KL penalty: the mean per-token KL to the
+    reference), ``num_tokens``.
     """
     loss, metrics = policy_loss_terms(
         curr_logprobs,

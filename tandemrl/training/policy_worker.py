@@ -7,6 +7,9 @@ One RL step::
 
     get_logprobs(batch)            -> prev_logprobs (no grad; may run mid-step; skipped with
                                       loss_fn.reuse_training_logprobs, see below)
+    get_reference_logprobs(batch)  -> reference_logprobs (no grad; only with
+                                      loss_fn.reference_policy_kl_penalty > 0: the worker
+                                      then keeps a frozen copy of the initial weights)
     begin_train_step()             zero gradients
     train_microbatches(chunk, step_num_sequences=S, step_num_tokens=N)   once per chunk
     finish_train_step()            clip, exactly one optimizer step, metrics
@@ -246,6 +249,26 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
                 layer.compile(dynamic=True)
         if policy_cfg.dtensor_cfg.activation_checkpointing:
             self.model.gradient_checkpointing_enable()
+        # The frozen reference policy of the KL penalty: the initial weights of the model
+        # folder (a resumed run loads its checkpoint into self.model, never into this one).
+        self.reference_model: torch.nn.Module | None = None
+        self.reference_forward: PolicyForward | None = None
+        if loss_cfg.reference_policy_kl_penalty > 0:
+            self.reference_model = load_causal_lm(
+                self.model_path, dtype=torch.float32, device=self.device
+            )
+            self.reference_model.config.use_cache = False
+            self.reference_model.requires_grad_(False)
+            self.reference_model.eval()
+            if self.sequence_packing:
+                use_packed_attention(self.reference_model)
+            self.reference_forward = PolicyForward(
+                self.reference_model,
+                use_head_logprobs=self.use_head_logprobs,
+                temperature=self.temperature,
+                device=self.device,
+                autocast_dtype=self.autocast_dtype,
+            )
         self.forward_module = PolicyForward(
             self.model,
             use_head_logprobs=self.use_head_logprobs,
@@ -253,7 +276,7 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
             device=self.device,
             autocast_dtype=self.autocast_dtype,
         )
-        self._shard_model()
+        self._shard_model()  # the trained model only: the frozen reference is never sharded
         self.optimizer = build_optimizer(self.model.parameters(), policy_cfg.optimizer, self.device)
         self.scheduler = build_scheduler(self.optimizer, policy_cfg.scheduler)
         self._offload = OptimizerOffload(self.optimizer, self.device)
@@ -369,20 +392,27 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
             model_inputs=model_inputs,
         )
 
-    def _forward(self, micro: Micro, *, entropy: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(
+        self, micro: Micro, *, entropy: str, model: torch.nn.Module | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(logprobs [b, l], entropy [b, l] or None); ``entropy``: "none", "metric" or "grad".
 
         One call of ``self.forward_module`` (``PolicyForward``): the sharded worker's FSDP2
-        root unit, so that its parameters are gathered around it.
+        root unit, so that its parameters are gathered around it. ``model``: the trained model
+        (default) or the frozen reference (``self.reference_forward``, same architecture).
         """
-        return self.forward_module(micro, entropy=entropy)
+        if model is None or model is self.model:
+            return self.forward_module(micro, entropy=entropy)
+        assert self.reference_forward is not None and model is self.reference_model
+        return self.reference_forward(micro, entropy=entropy)
 
-    def _get_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+    def _get_logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
         self._check_length(batch)
         if self.cfg.offload_optimizer_for_logprob:
             self._offload.offload()
-        was_training = self.model.training
-        self.model.eval()
+        model = self._reference() if reference else self.model
+        was_training = model.training
+        model.eval()
         batch, order = sort_rows_by_length(batch)
         out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32, device=self.device)
         packed = self._packs(batch)
@@ -393,16 +423,26 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
             for micro in micros:
                 size, length = micro["input_ids"].shape
                 prepared = self._prepare(micro, micro["attention_mask"] != 0, packed)
-                logprobs, _ = self._forward(prepared, entropy="none")
+                logprobs, _ = self._forward(prepared, entropy="none", model=model)
                 mask = prepared.batch["attention_mask"].to(logprobs.dtype)
                 out[start : start + size, :length] = logprobs * mask
                 start += size
-            self._idle_passes(passes - len(micros), train=False)
-        self.model.train(was_training)
+            if not reference:  # the reference is never sharded: no collectives to line up
+                self._idle_passes(passes - len(micros), train=False)
+        model.train(was_training)
         out = out.cpu()  # the one wait for the device
         unsorted = torch.empty_like(out)
         unsorted[order] = out
         return unsorted
+
+    def _reference(self) -> torch.nn.Module:
+        if self.reference_model is None:
+            raise ValueError(
+                "get_reference_logprobs needs a reference policy: set "
+                "loss_fn.reference_policy_kl_penalty > 0 (the worker then keeps a frozen copy "
+                "of the initial weights)"
+            )
+        return self.reference_model
 
     # ------------------------------------------------------------------ split train step
 
@@ -618,6 +658,10 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
     async def get_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """[B, L] logprobs of ``input_ids`` under the current weights (no grad), on CPU."""
         return await self._executor.run(self._get_logprobs, batch)
+
+    async def get_reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """[B, L] logprobs of ``input_ids`` under the frozen reference policy, on CPU."""
+        return await self._executor.run(self._get_logprobs, batch, True)
 
     async def export_weights(self) -> dict[str, torch.Tensor]:
         """CPU float32 state dict (contiguous copies, every key incl. tied lm_head.weight)."""

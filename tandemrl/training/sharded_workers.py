@@ -131,14 +131,17 @@ class ShardedPolicyWorker(PolicyWorker):
 
     # ------------------------------------------------------------------ rows of this rank
 
-    def _get_logprobs(self, batch: TrainBatch | None) -> torch.Tensor | None:  # type: ignore[override]
+    def _get_logprobs(  # type: ignore[override]
+        self, batch: TrainBatch | None, reference: bool = False
+    ) -> torch.Tensor | None:
         if batch is not None:
-            return super()._get_logprobs(batch)
+            return super()._get_logprobs(batch, reference)
         if self.cfg.offload_optimizer_for_logprob:
             self._offload.offload()  # as the ranks with rows do (each moves its own shards)
         passes = self.replicas.max_int(0)
-        with torch.no_grad():
-            self._idle_passes(passes, train=False)
+        if not reference:  # the frozen reference is one full copy per rank: no collectives
+            with torch.no_grad():
+                self._idle_passes(passes, train=False)
         return None
 
     def _train_microbatches(  # type: ignore[override]

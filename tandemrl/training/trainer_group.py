@@ -314,8 +314,8 @@ class ShardedTrainer:
         results = await self._gather(self._refs(method, per_rank), method.lstrip("_"))
         return shares, results
 
-    async def _rows_back(self, method: str, batch: TrainBatch) -> torch.Tensor:
-        shares, results = await self._split(method, batch)
+    async def _rows_back(self, method: str, batch: TrainBatch, *args: Any) -> torch.Tensor:
+        shares, results = await self._split(method, batch, *args)
         out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
         for rows, values in zip(shares, results, strict=True):
             if rows:
@@ -340,6 +340,9 @@ class ShardedTrainer:
 
     async def get_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         return await self._rows_back("_get_logprobs", batch)
+
+    async def get_reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        return await self._rows_back("_get_logprobs", batch, True)
 
     async def get_values(self, batch: TrainBatch) -> torch.Tensor:
         return await self._rows_back("_get_values", batch)

@@ -14,6 +14,7 @@ import contextlib
 import json
 import math
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -141,6 +142,9 @@ def build_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+TRANSITIONS_KEPT = 64
+
+
 class OptimizerOffload:
     """Moves an optimizer's state between the accelerator and host memory.
 
@@ -154,7 +158,8 @@ class OptimizerOffload:
         self.optimizer = optimizer
         self.device = device
         self.location = "device"
-        self.transitions: list[str] = []
+        # The latest transitions (two a step on a colocated run: bounded on long runs).
+        self.transitions: deque[str] = deque(maxlen=TRANSITIONS_KEPT)
 
     def _move(self, target: torch.device) -> None:
         # Sharded parameters' states are DTensors: ``.to`` moves each rank's own shard.

@@ -1,4 +1,5 @@
-"""Kill a real ``tandemrl train`` run with SIGKILL at chosen moments, restart it, audit it.
+"""Kill a real ``tandemrl train`` run at chosen moments (SIGKILL, or SIGTERM: the graceful
+stop a scheduler asks for), restart it, audit it.
 
 Used by ``tests/chaos/test_sigkill.py`` (a few kills, CI) and ``benchmarks/chaos_restart.py``
 (more kills, random times). One attempt is one ``tandemrl train`` subprocess in its own
@@ -17,12 +18,20 @@ Kill points, detected from outside by polling the checkpoint directory and the r
 - ``trainer_checkpoint_write``: a ``.step_N.tmp-*`` folder exists (N at least two steps past
   the resumed one, so a previous checkpoint of this attempt exists).
 - ``snapshot_write``: a ``.snapshot_*.tmp-*`` folder exists under an anchor.
+- ``validation_open``: a validation pass this attempt opened at version N has not reported, and
+  ``step_N``'s checkpoint (which holds it open) is published (needs ``RunShape.val_period``).
 - ``random``: a seeded delay (0-4 s) after the attempt's first committed group, or (one time
   in four) 2-45 s after the process started: a kill during start-up or restore.
 - ``with_buffered_groups``: this attempt trained a step and published its trainer
   checkpoint, and at least two groups it committed wait untrained in the buffer.
 
-``audit`` replays the journal (``tandemrl.checkpoint.journal.lineage``) into the proof.
+A kill point written ``<point>:SIGTERM`` (e.g. ``mid_generation:SIGTERM``) sends SIGTERM to
+the driver's process group at that moment instead, as ``timeout`` or a batch scheduler does:
+the run stops gracefully (last checkpoint or rollout snapshot, exit 143) and the attempt is
+then checked to have left no process behind.
+
+``audit`` replays the journal (``tandemrl.checkpoint.journal.lineage``) into the proof, and
+with validation on, counts the passes reported per version in the final lineage.
 
 ``run_config_change_case`` is the restart-with-a-changed-config case: a run is killed with
 committed groups waiting, then restarted with ``policy.generation.temperature`` changed under
@@ -59,6 +68,7 @@ from tandemrl.checkpoint.layout import JOURNAL
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "examples" / "configs" / "grpo_tiny_cpu_checkpointed.yaml"
 LIGHT_DRIVER = REPO / "tests" / "chaos" / "light_driver.py"
+DISTILL_CONFIG = REPO / "examples" / "configs" / "distill_tiny_cpu.yaml"
 MARKER_ENV = "TANDEMRL_CHAOS_RUN"
 POLL_S = 0.004
 # The run's process list is refreshed this often while waiting for a kill point, so the kill
@@ -71,6 +81,7 @@ KILL_POINTS = (
     "mid_train",
     "trainer_checkpoint_write",
     "snapshot_write",
+    "validation_open",
     "random",
     "with_buffered_groups",
 )
@@ -83,6 +94,16 @@ class RunShape:
     prompts_per_step: int = 8
     generations_per_prompt: int = 8
     commit_log: bool = True
+    # The algorithm block the run's step keys live in, and the config it starts from.
+    algorithm: str = "grpo"
+    config: Path = CONFIG
+    # More overrides (a distillation run: its teacher, checkpointing, token capture).
+    extra: tuple[str, ...] = ()
+    # Validation passes every val_period versions (0: off): val_samples held-out prompts,
+    # val_generations sampled completions each.
+    val_period: int = 0
+    val_samples: int = 64
+    val_generations: int = 1
 
     @property
     def total_steps(self) -> int:
@@ -91,19 +112,25 @@ class RunShape:
     def prompt_ids(self) -> set[str]:
         return {f"e{e}-i{i}" for e in range(self.epochs) for i in range(self.num_prompts)}
 
+    def validated_versions(self) -> list[int]:
+        if not self.val_period:
+            return []
+        return list(range(self.val_period, self.total_steps + 1, self.val_period))
+
     def overrides(self, workdir: Path) -> list[str]:
         batch = self.prompts_per_step * self.generations_per_prompt
+        algo = self.algorithm
         return [
             f"data.num_prompts={self.num_prompts}",
-            f"grpo.max_num_epochs={self.epochs}",
-            f"grpo.num_prompts_per_step={self.prompts_per_step}",
-            f"grpo.num_generations_per_prompt={self.generations_per_prompt}",
+            f"{algo}.max_num_epochs={self.epochs}",
+            f"{algo}.num_prompts_per_step={self.prompts_per_step}",
+            f"{algo}.num_generations_per_prompt={self.generations_per_prompt}",
             f"policy.train_global_batch_size={batch}",
             f"policy.train_micro_batch_size={batch}",
             f"async_rl.max_buffered_rollouts={2 * self.prompts_per_step}",
             f"async_rl.max_inflight_prompts={2 * self.prompts_per_step}",
             f"async_rl.min_groups_for_streaming_train={self.prompts_per_step}",
-            "grpo.max_num_steps=1000",
+            f"{algo}.max_num_steps=1000",
             "checkpointing.save_period=1",
             "rollout_checkpointing.snapshot_attempt_interval_s=0.5",
             f"rollout_checkpointing.commit_log={str(self.commit_log).lower()}",
@@ -112,18 +139,59 @@ class RunShape:
             "logger.progress=false",
             "logger.tensorboard=false",
             "logger.plot=false",
+            *self.extra,
+            *(
+                [
+                    f"{algo}.val_period={self.val_period}",
+                    f"{algo}.max_val_samples={self.val_samples}",
+                    f"{algo}.val_num_generations={self.val_generations}",
+                    f"policy.generation.val_temperature={1.0 if self.val_generations > 1 else 0.0}",
+                    "data.validation=builtin://counting",
+                ]
+                if self.val_period
+                else []
+            ),
         ]
+
+
+def distillation_shape(**kwargs: Any) -> RunShape:
+    """A checkpointed on-policy distillation run: the exemplar's settings with crash recovery
+    on, and a teacher built on first use (the ``tiny://`` student preset itself: what is
+    proven here is the bookkeeping of its scores, not learning)."""
+    return RunShape(
+        algorithm="on_policy_distillation",
+        config=DISTILL_CONFIG,
+        extra=(
+            "on_policy_distillation.teachers.0.model_name=tiny://qwen2-counting",
+            "checkpointing.enabled=true",
+            "checkpointing.save_data_plane=true",
+            "token_capture.enabled=true",
+        ),
+        **kwargs,
+    )
 
 
 @dataclass
 class Kill:
     attempt: int
-    point: str
+    point: str  # as given: "mid_generation", "mid_generation:SIGTERM"
     hit: bool  # the kill point was observed (False: the fallback timer fired instead)
     seconds_after_start: float
     trained_steps_seen: int  # trained events in the journal at the kill
     detail: str = ""
     processes: int = 0  # processes of the run (driver, Ray daemons, workers) killed
+    signal: str = "SIGKILL"
+    returncode: int | None = None  # SIGTERM: the driver's exit code (143: a graceful stop)
+    left_behind: int = 0  # SIGTERM: processes of the run still alive after the stop
+
+
+def split_kill_point(entry: str) -> tuple[str, str]:
+    """``mid_generation`` -> (mid_generation, SIGKILL); ``mid_generation:SIGTERM`` -> SIGTERM."""
+    point, _, sig = entry.partition(":")
+    sig = sig or "SIGKILL"
+    if sig not in ("SIGKILL", "SIGTERM"):
+        raise ValueError(f"kill point {entry!r}: the signal is SIGKILL or SIGTERM")
+    return point, sig
 
 
 @dataclass
@@ -157,6 +225,8 @@ class ChaosReport:
                     "log_replayed_committed",
                     "steps",
                     "step_numbering_continuous",
+                    "validation_reports",
+                    "validation_reopened",
                 )
             },
         }
@@ -279,6 +349,7 @@ class Attempt:
         marker: str,
         *,
         zygote: LightZygote | None = None,
+        config: Path = CONFIG,
     ) -> None:
         self.index = index
         self.log_path = workdir / f"attempt_{index:02d}.log"
@@ -294,7 +365,7 @@ class Attempt:
         self._pids_at = 0.0
         self.process: subprocess.Popen[bytes] | ForkedProcess
         if zygote is not None:
-            self.process = zygote.start(["--config", str(CONFIG), *overrides], self.log_path)
+            self.process = zygote.start(["--config", str(config), *overrides], self.log_path)
             return
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
@@ -304,7 +375,7 @@ class Attempt:
                     "tandemrl.cli",
                     "train",
                     "--config",
-                    str(CONFIG),
+                    str(config),
                     *overrides,
                 ],
                 cwd=REPO,
@@ -349,6 +420,25 @@ class Attempt:
             time.sleep(0.05)
         self._remove_ray_session()
         return stragglers
+
+    def stop_with_sigterm(self, timeout_s: float = 240.0) -> tuple[int, int]:
+        """SIGTERM to the driver's process group; wait for the graceful stop. Returns (exit
+        code, processes of the run still alive 20 s after the driver exited); every process
+        left is then killed."""
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            returncode = self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill_everything()
+            raise RuntimeError(
+                f"the run did not stop within {timeout_s} s of SIGTERM:\n{self.tail()}"
+            ) from None
+        deadline = time.monotonic() + 20
+        while _marked_pids(self.marker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = len(_marked_pids(self.marker))
+        self.kill_everything()
+        return returncode, left
 
     def _remove_ray_session(self) -> None:
         # Ray names the session after the driver's pid; other runs' sessions are left alone.
@@ -464,6 +554,18 @@ class KillPoint:
             start, _ = observer.this_attempt()
             names = observer.tmp_snapshot_dirs() if start is not None else []
             return names[0] if names else None
+        if self.point == "validation_open":
+            _, after = observer.this_attempt()
+            reported = {e["version"] for e in after if e["event"] == "validated"}
+            for event in after:
+                version = event.get("version")
+                if (
+                    event["event"] == "validation_opened"
+                    and version not in reported
+                    and (observer.checkpoint_dir / f"step_{version}" / "manifest.json").is_file()
+                ):
+                    return f"the pass of version {version} open, step_{version} published"
+            return None
         start, after = observer.this_attempt()
         if start is None:
             return None
@@ -542,7 +644,7 @@ def run_with_kills(
             starts_before = sum(
                 event["event"] == "start" for event in _journal_events(checkpoint_dir / JOURNAL)
             )
-            attempt = Attempt(report.attempts, workdir, overrides, marker)
+            attempt = Attempt(report.attempts, workdir, overrides, marker, config=shape.config)
             report.attempts += 1
             observer = Observer(checkpoint_dir, starts_before, shape)
             if not pending:
@@ -556,7 +658,8 @@ def run_with_kills(
                 # A finished run leaves nothing behind either.
                 report.stragglers_killed += attempt.kill_everything()
                 break
-            point = KillPoint(pending[0], rng)
+            point_name, kill_signal = split_kill_point(pending[0])
+            point = KillPoint(point_name, rng)
             detail, hit = _wait_for(point, attempt, observer, point_timeout_s)
             if not attempt.running():
                 # It finished (or crashed) before the kill point: nothing more to kill.
@@ -568,16 +671,22 @@ def run_with_kills(
                 break
             trained_seen = sum(event["event"] == "trained" for event in observer.events())
             processes = len(attempt.pids())
-            report.stragglers_killed += attempt.kill_everything()
-            pending.pop(0)
+            returncode, left_behind = None, 0
+            if kill_signal == "SIGTERM":
+                returncode, left_behind = attempt.stop_with_sigterm()
+            else:
+                report.stragglers_killed += attempt.kill_everything()
             kill = Kill(
                 attempt.index,
-                point.point,
+                pending.pop(0),
                 hit,
                 round(attempt.elapsed(), 2),
                 trained_seen,
                 detail,
                 processes,
+                kill_signal,
+                returncode,
+                left_behind,
             )
             report.kills.append(kill)
             log(f"kill {len(report.kills)}: {kill}")
@@ -617,7 +726,20 @@ def audit(checkpoint_dir: Path, shape: RunShape) -> dict[str, Any]:
     steps = sorted(result.trained)
     finished_again = result.finished_again()
     replays = [event.get("replayed") or {} for event in result.restores]
+    validation = validation_audit(read_journal(checkpoint_dir / JOURNAL))
+    # On-policy distillation: teacher passes per group over every attempt's commits (the
+    # journal's ``generated`` events carry them); a committed group must be scored once.
+    teacher_passes: Counter[str] = Counter()
+    for event in read_journal(checkpoint_dir / JOURNAL):
+        if event["event"] == "generated" and "teacher_passes" in event:
+            teacher_passes[event["group_id"]] += int(event["teacher_passes"])
     return {
+        **validation,
+        "teacher_passes": sum(teacher_passes.values()),
+        "teacher_passes_redone": sorted(g for g, n in teacher_passes.items() if n > 1),
+        "trained_without_teacher_pass": sorted(set(trained) - set(teacher_passes))
+        if teacher_passes
+        else [],
         "attempts": result.attempts,
         "steps": len(steps),
         "expected_steps": shape.total_steps,
@@ -644,6 +766,29 @@ def audit(checkpoint_dir: Path, shape: RunShape) -> dict[str, Any]:
         "resumed_steps": [int(event.get("resumed_step", 0)) for event in result.restores],
         "restored_committed": sum(len(e.get("restored_committed", [])) for e in result.restores),
         "restored_staged": sum(len(e.get("restored_staged", [])) for e in result.restores),
+    }
+
+
+def validation_audit(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """Validation passes in the final lineage: reports per version (a ``start`` that resumed
+    after step N voids the reports of versions above N, a fresh start all of them), and the
+    passes restarts re-opened."""
+    reports: Counter[int] = Counter()
+    for event in events:
+        if event["event"] == "start":
+            resumed = int(event.get("resumed_step", 0))
+            fresh = "source" in event and event["source"] is None
+            reports = Counter({v: n for v, n in reports.items() if v <= resumed and not fresh})
+        elif event["event"] == "validated":
+            reports[int(event["version"])] += 1
+    reopened = [
+        int(e["version"])
+        for e in events
+        if e["event"] == "validation_opened" and int(e.get("restarts", 0)) > 0
+    ]
+    return {
+        "validation_reports": dict(sorted(reports.items())),
+        "validation_reopened": reopened,
     }
 
 

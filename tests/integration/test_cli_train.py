@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tandemrl.sigterm import blocked_signals
+
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
@@ -72,11 +74,27 @@ def group_alive(pgid: int) -> bool:
     return True
 
 
+def sigterm_blocked_in_ray_servers(pgid: int) -> dict[str, bool]:
+    """For Ray's gcs_server and raylet in process group ``pgid``: whether each blocks SIGTERM."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            name = (entry / "comm").read_text().strip()
+            if name in ("gcs_server", "raylet") and os.getpgid(int(entry.name)) == pgid:
+                found[name] = signal.SIGTERM in blocked_signals(entry.name)
+        except (OSError, ValueError):
+            continue  # exited meanwhile
+    return found
+
+
 def stop_with_signal(
     args: list[str], log_dir: Path, sig: signal.Signals, *, after_steps: int
-) -> tuple[int, str]:
+) -> tuple[int, str, dict[str, bool]]:
     """Start a run in a process group of its own (as a terminal does), send ``sig`` to the
-    group once ``after_steps`` rows are logged; (exit code, stderr)."""
+    group once ``after_steps`` rows are logged; (exit code, stderr, whether Ray's servers block
+    SIGTERM)."""
     process = subprocess.Popen(
         command(*args),
         cwd=REPO,
@@ -94,6 +112,7 @@ def stop_with_signal(
                 break
             time.sleep(0.2)
         assert process.poll() is None, "the run ended before the signal"
+        servers = sigterm_blocked_in_ray_servers(process.pid)
         os.killpg(process.pid, sig)
         _, stderr = process.communicate(timeout=120)
     finally:
@@ -105,7 +124,7 @@ def stop_with_signal(
     while group_alive(process.pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not group_alive(process.pid), "processes of the run outlived it"
-    return process.returncode, stderr
+    return process.returncode, stderr, servers
 
 
 def test_the_main_job_runs_on_a_cluster_with_gpus_and_leaves_its_model(tmp_path: Path) -> None:
@@ -152,7 +171,7 @@ def test_the_main_job_runs_on_a_cluster_with_gpus_and_leaves_its_model(tmp_path:
 
 def test_ctrl_c_stops_at_a_step_with_exit_130_and_leaves_no_process(tmp_path: Path) -> None:
     log_dir = tmp_path / "run"
-    code, stderr = stop_with_signal(
+    code, stderr, _ = stop_with_signal(
         ["--config", MAIN_JOB, *quiet(log_dir, "logger.save_final_model=false")],
         log_dir,
         signal.SIGINT,
@@ -186,12 +205,15 @@ def test_sigterm_checkpoints_then_the_same_command_resumes_and_then_says_complet
         ]
 
     # Long enough that the signal always lands mid-run, however fast the machine.
-    code, stderr = stop_with_signal(args(1000), log_dir, signal.SIGTERM, after_steps=3)
+    code, stderr, servers = stop_with_signal(args(1000), log_dir, signal.SIGTERM, after_steps=3)
     assert code == 143, stderr[-3000:]
+    # The group-wide signal reached the driver only: Ray's servers block it.
+    assert servers == {"gcs_server": True, "raylet": True}
     stopped_at = metrics_steps(log_dir)[-1]
     assert stopped_at < 1000
     assert (tmp_path / "ckpt" / f"step_{stopped_at}").is_dir()  # written at the stop
-    assert "run the same command to resume" in stderr and "Traceback" not in stderr
+    assert f"stopped at step {stopped_at}; run the same command to resume" in stderr
+    assert "Traceback" not in stderr
 
     finish = stopped_at + 3
     resumed = train(*args(finish))

@@ -291,3 +291,28 @@ def test_adopting_a_committed_group_twice_is_refused():
 
 
 assert EPOCHS == 2  # the shapes above assume the shared restart fixture's two epochs
+
+
+# Without the "filtered" record a restart owes replacements twice and the buffer fills with
+# groups no step takes: the run then hangs instead of failing, hence the timeout.
+@pytest.mark.timeout(120)
+def test_dynamic_sampling_under_kills_trains_each_prompt_at_most_once(tmp_path):
+    """Zero-advantage groups filtered by dynamic sampling stay filtered across kills (the
+    "filtered" record carries the replacement credits): nothing is trained twice or out of
+    order, and every prompt is trained or filtered, but for the tail the data cannot fill."""
+    cfg = make_cfg(
+        tmp_path / "ckpt",
+        *LOG_CFG,
+        "grpo.use_dynamic_sampling=true",
+        "async_rl.min_groups_for_streaming_train=4",
+    )
+    validate_single_controller_config(cfg)
+    run_killed(cfg, seed=5, kills=3)
+    events = read_journal(tmp_path / "ckpt" / JOURNAL)
+    filtered = {g for event in events if event["event"] == "filtered" for g in event["groups"]}
+    result = proof(tmp_path / "ckpt")
+    assert len(filtered) > 10, "the counting task on fake tokens has groups of equal rewards"
+    assert result["duplicated"] == 0 and result["continuous"], result
+    assert not filtered & set(lineage(events).trained_groups())
+    # When the data runs out, in_order (lookahead 1) leaves at most two steps unfilled.
+    assert len(set(result["lost"]) - filtered) < 2 * 4, result

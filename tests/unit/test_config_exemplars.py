@@ -44,6 +44,8 @@ def test_the_expected_exemplars_exist():
         "ppo_tiny_cpu",
         "grpo_smollm2_math_gpu",
         "grpo_gpu_1x",
+        "grpo_tiny_cpu_agent",
+        "distill_tiny_cpu",
     }
 
 
@@ -156,3 +158,32 @@ def test_the_one_gpu_exemplar_runs_the_measured_fastest_settings():
     assert cfg.async_rl.sampler.name == "ready_first"
     assert cfg.loss_fn.use_importance_sampling_correction
     assert (cfg.data.prompt_format, cfg.env.name) == ("chat", "math")
+
+
+def test_agent_exemplar_plays_the_counting_game_through_the_http_endpoint():
+    cfg = exemplar("grpo_tiny_cpu_agent")
+    from tandemrl.agents import agent_class
+    from tandemrl.agents.counting_game import CountingGameAgent
+    from tandemrl.agents.setup import uses_http
+
+    assert cfg.env.name == "agent" and agent_class(cfg.env) is CountingGameAgent
+    server = cfg.policy.generation.http_server
+    assert server.enabled and (server.host, server.port) == ("127.0.0.1", 0) and uses_http(cfg)
+    assert cfg.token_capture.enabled and cfg.token_capture.on_prefix_mismatch == "split"
+    tokenizer = load_tokenizer(resolve_model_path(cfg.policy.model_name))
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "583="}], add_generation_prompt=True, tokenize=False
+    )
+    assert len(tokenizer.encode(rendered, add_special_tokens=False)) == 7
+
+
+def test_the_distillation_exemplar_says_how_to_train_its_teacher():
+    cfg = exemplar("distill_tiny_cpu")
+    assert cfg.on_policy_distillation is not None
+    text = (CONFIGS / "distill_tiny_cpu.yaml").read_text()
+    command = next(line for line in text.splitlines() if "grpo_tiny_cpu.yaml" in line)
+    log_dir = command.split("logger.log_dir=")[1].split()[0]
+    # the one command writes the teacher folder the exemplar reads (its final model)
+    (teacher,) = cfg.on_policy_distillation.teachers
+    assert teacher.model_name == f"{log_dir}/final_model" and teacher.default
+    assert cfg.policy.model_name == "tiny://qwen2-counting"

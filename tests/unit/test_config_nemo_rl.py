@@ -261,12 +261,16 @@ def test_megatron_is_one_line(tmp_path, base):
             "LoRA",
         ),
         (
-            "loss_fn:\n  reference_policy_kl_penalty: 0.01\n",
-            "loss_fn.reference_policy_kl_penalty",
-            "reference policy",
+            "loss_fn:\n  reference_policy_kl_penalty: 0.01\n  use_kl_in_reward: true\n",
+            "loss_fn.use_kl_in_reward",
+            "folded into the reward",
         ),
         ("policy:\n  generation: {top_k: 50}\n", "policy.generation.top_k", "top-k"),
-        ("grpo:\n  reward_shaping: {enabled: true}\n", "grpo.reward_shaping", "not implemented"),
+        (
+            "grpo:\n  reward_shaping:\n    {enabled: true, alp_coef: 0.1, overlong_buffer_penalty: 1, overlong_buffer_length: 8}\n",
+            "grpo.reward_shaping.alp_coef",
+            "adaptive length penalty",
+        ),
         ("data_plane:\n  backend: mooncake_cpu\n", "data_plane.backend", "mooncake_cpu"),
         (
             "policy:\n  scheduler:\n    - name: torch.optim.lr_scheduler.CosineAnnealingLR\n"
@@ -340,7 +344,7 @@ def test_port_prints_a_config_that_loads_as_the_same_run_and_lists_what_it_left(
           megatron_cfg: {enabled: true, tensor_model_parallel_size: 2}
           frobnicate: 3
         grpo:
-          val_period: 10
+          max_num_epochs: -1
         logger:
           wandb_enabled: true
         """,
@@ -348,7 +352,7 @@ def test_port_prints_a_config_that_loads_as_the_same_run_and_lists_what_it_left(
     report = port_config(path)
     assert [r.split(":", 1)[0] for r in report.refused] == ["policy.megatron_cfg"]
     assert any(r.startswith("policy.frobnicate: unknown key") for r in report.remaining)
-    assert any(r.startswith("grpo.val_period:") for r in report.remaining)
+    assert any(r.startswith("grpo.max_num_epochs:") for r in report.remaining)
     assert any(c.startswith("logger.wandb_enabled: renamed") for c in report.changed)
     dropped = {entry.split(":", 1)[0] for entry in report.dropped}
     assert {"policy.dtensor_cfg._v2", "logger.gpu_monitoring", "grpo.max_val_samples"} <= dropped
@@ -357,10 +361,10 @@ def test_port_prints_a_config_that_loads_as_the_same_run_and_lists_what_it_left(
     assert printed["logger"]["wandb"]["enabled"] is True
     # The printed config, once its refused and invalid parts are fixed, is the same run.
     fixed = tmp_path / "ported.yaml"
-    printed["grpo"]["val_period"] = 0
+    printed["grpo"]["max_num_epochs"] = 1
     fixed.write_text(yaml.safe_dump(printed))
     original = load_config(
-        path, ["~policy.megatron_cfg", "~policy.frobnicate", "grpo.val_period=0"]
+        path, ["~policy.megatron_cfg", "~policy.frobnicate", "grpo.max_num_epochs=1"]
     )
     assert load_config(fixed) == original
 

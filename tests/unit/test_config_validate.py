@@ -157,7 +157,7 @@ def test_all_violations_are_reported_together():
         "grpo.max_num_epochs",
         "policy.train_global_batch_size",
         "loss_fn.use_importance_sampling_correction",
-        "grpo.val_period",
+        "data.validation",  # val_period needs held-out prompts
     ):
         find(messages, dotpath)
 
@@ -382,26 +382,6 @@ def test_on_policy_samplers_do_not_need_importance_sampling(sampler):
     assert warnings(*overrides) == []
 
 
-# --------------------------------------------------------------------------- unsupported features
-
-
-@pytest.mark.parametrize("base", [GRPO_BASE, PPO_BASE], ids=["grpo", "ppo"])
-@pytest.mark.parametrize(
-    ("key", "value"),
-    [
-        ("val_period", "10"),
-        ("val_at_start", "true"),
-        ("val_at_end", "true"),
-        ("reward_shaping", "{enabled: true}"),
-        ("reward_scaling", "{enabled: true}"),
-        ("use_dynamic_sampling", "true"),
-    ],
-)
-def test_unsupported_features_are_refused(base, key, value):
-    algo = "grpo" if base is GRPO_BASE else "ppo"
-    find(errors(f"{algo}.{key}={value}", base=base), f"{algo}.{key}")
-
-
 # --------------------------------------------------------------------------- PPO
 
 
@@ -432,20 +412,23 @@ def test_ppo_needs_optimizer_offload_for_logprob():
         "{name: windowed, max_staleness_versions: 1}",
     ],
 )
-def test_ppo_supports_only_in_order(sampler):
-    messages = errors(f"async_rl.sampler={sampler}", base=PPO_BASE)
-    find(messages, "async_rl.sampler.name", "in_order")
-
-
-def test_ppo_needs_whole_step_batches():
-    messages = errors("async_rl.min_groups_for_streaming_train=2", base=PPO_BASE)
-    find(messages, "async_rl.min_groups_for_streaming_train", "ppo.num_prompts_per_step")
+def test_ppo_streams_under_every_sampler(sampler):
+    overrides = (f"async_rl.sampler={sampler}", "async_rl.min_groups_for_streaming_train=2")
+    assert warnings(*overrides, base=PPO_BASE) == []
 
 
 @pytest.mark.parametrize("key", ["max_skipped_prompts", "max_consecutive_dropped_prompts"])
-def test_ppo_refuses_drop_budgets(key):
-    messages = errors(f"async_rl.rollout_failure.{key}=2", base=PPO_BASE)
-    find(messages, f"async_rl.rollout_failure.{key}", "PPO")
+def test_ppo_accepts_drop_budgets(key):
+    assert warnings(f"async_rl.rollout_failure.{key}=2", base=PPO_BASE) == []
+
+
+def test_ppo_colocated_with_stand_down_still_needs_whole_steps():
+    messages = errors(
+        "policy.generation.colocated.enabled=true",
+        "async_rl.min_groups_for_streaming_train=2",
+        base=PPO_BASE,
+    )
+    find(messages, "async_rl.min_groups_for_streaming_train", "colocated")
 
 
 @pytest.mark.parametrize("key", ["ppo_epochs", "critic_ppo_epochs"])
@@ -765,3 +748,129 @@ def test_config_error_lists_every_message_in_its_text():
     assert "2 problems" in str(error)
     assert "a.b: first" in str(error) and "c.d: second" in str(error)
     assert isinstance(error, ValueError)
+
+
+# --------------------------------------------------------------------------- agents
+
+
+AGENT = ("env.name=agent", "env.target=tandemrl.agents.counting_game:CountingGameAgent")
+
+
+def test_agent_runs_and_the_endpoint_refuse_keys_that_would_do_nothing():
+    assert warnings(*AGENT, "data.dataset=builtin://counting") == []
+    find(
+        errors("policy.generation.http_server.enabled=true"),
+        "http_server.enabled",
+        "env.name: agent",
+    )
+    find(errors("env.agent.max_turns=3"), "env.agent", "env.name: agent")
+    find(errors("token_capture.on_prefix_mismatch=error"), "token_capture.on_prefix_mismatch")
+    find(errors("env.name=agent", "data.dataset=builtin://counting"), "env.target", "required")
+    messages = errors(
+        *AGENT,
+        "data.dataset=builtin://counting",
+        "env.agent.client=http",
+        "loss_fn.token_level_loss=false",
+        "data.prompt_format=chat",
+        "env.agent.max_tokens_per_turn=64",
+    )
+    find(messages, "env.agent.client: http", "http_server.enabled: true")
+    find(messages, "loss_fn.token_level_loss", "split")
+    find(messages, "data.prompt_format", "agent")
+    find(messages, "env.agent.max_tokens_per_turn", "max_total_sequence_length")
+
+
+# --------------------------------------------------------------------------- loss: clips and KL
+
+
+def test_asymmetric_clip_is_accepted_and_a_lower_bound_at_zero_is_refused():
+    assert warnings("loss_fn.ratio_clip_min=0.2", "loss_fn.ratio_clip_max=0.28") == []
+    find(errors("loss_fn.ratio_clip_min=1.0"), "loss_fn.ratio_clip_min", "below 1")
+
+
+def test_dual_clip_needs_c_above_one():
+    assert make("loss_fn.ratio_clip_c=3.0").loss_fn.ratio_clip_c == 3.0
+    with pytest.raises(ValueError, match="ratio_clip_c"):
+        make("loss_fn.ratio_clip_c=1.0")
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "loss_fn.reference_policy_kl_type=k1",
+        "loss_fn.kl_input_clamp_value=null",
+        "loss_fn.kl_output_clamp_value=5.0",
+    ],
+)
+def test_kl_settings_without_a_kl_penalty_are_refused(override):
+    key = override.split("=")[0]
+    find(errors(override), key, "reference_policy_kl_penalty")
+    assert warnings(override, "loss_fn.reference_policy_kl_penalty=0.01") == []
+
+
+# --------------------------------------------------------------------------- rewards, dynamic sampling
+
+
+def test_dynamic_sampling_is_grpo_only_and_needs_groups():
+    assert warnings("grpo.use_dynamic_sampling=true") == []
+    find(errors("ppo.use_dynamic_sampling=true", base=PPO_BASE), "ppo.use_dynamic_sampling")
+    messages = errors(
+        "grpo.use_dynamic_sampling=true",
+        "grpo.num_generations_per_prompt=1",
+        "policy.train_global_batch_size=4",
+    )
+    find(messages, "grpo.use_dynamic_sampling", "num_generations_per_prompt >= 2")
+    find(errors(custom("BuildableSampler"), "grpo.use_dynamic_sampling=true"), "built-in sampler")
+    find(errors("grpo.dynamic_sampling_max_gen_batches=3"), "use_dynamic_sampling is false")
+
+
+def test_reward_shaping_needs_its_three_lengths_or_the_stop_penalty():
+    shaping = "grpo.reward_shaping={enabled: true, overlong_buffer_length: 4}"
+    messages = errors(shaping)
+    find(messages, "grpo.reward_shaping.overlong_buffer_penalty", "required")
+    find(messages, "grpo.reward_shaping.max_response_length", "required")
+    full = (
+        "grpo.reward_shaping={enabled: true, overlong_buffer_length: 4, "
+        "overlong_buffer_penalty: 1.0, max_response_length: 16}"
+    )
+    assert warnings(full, "policy.generation.max_new_tokens=16") == []
+    assert "never applies" in warnings(full, "policy.generation.max_new_tokens=8")[0]
+    both = (
+        "grpo.reward_shaping={enabled: true, overlong_buffer_length: 4, "
+        "stop_properly_penalty_coef: 0.5}"
+    )
+    find(errors(both), "grpo.reward_shaping.overlong_buffer_length", "exclude each other")
+    too_long = (
+        "grpo.reward_shaping={enabled: true, overlong_buffer_length: 20, "
+        "overlong_buffer_penalty: 1.0, max_response_length: 16}"
+    )
+    find(errors(too_long), "grpo.reward_shaping.overlong_buffer_length", "longer than")
+
+
+def test_reward_scaling_ranges_must_be_increasing():
+    assert warnings("grpo.reward_scaling={enabled: true, target_min: -1.0}") == []
+    messages = errors("grpo.reward_scaling={enabled: true, source_min: 1.0}")
+    find(messages, "grpo.reward_scaling.source_min", "below")
+
+
+# --------------------------------------------------------------------------- over-sampling, drain gate
+
+
+def test_over_sampling_ratio_sizes_the_defaults_and_warns_when_the_buffer_caps_first():
+    windowed = "{name: windowed, max_staleness_versions: 1, over_sampling_ratio: 0.5}"
+    raw = copy.deepcopy(GRPO_BASE)
+    del raw["async_rl"]["max_buffered_rollouts"], raw["async_rl"]["max_inflight_prompts"]
+    apply_overrides(raw, (f"async_rl.sampler={windowed}",))
+    cfg = config_from_dict(resolve_references(raw))
+    # (1 + 1) x 4 + ceil(0.5 x 4) = 10
+    assert (cfg.async_rl.max_buffered_rollouts, cfg.async_rl.max_inflight_prompts) == (10, 10)
+    assert validate_single_controller_config(cfg) == []
+    found = warnings(f"async_rl.sampler={windowed}", "async_rl.max_buffered_rollouts=8")
+    assert len(found) == 1 and "async_rl.sampler.over_sampling_ratio" in found[0]
+    with pytest.raises(ValueError, match="over_sampling_ratio"):
+        make("async_rl.sampler={name: windowed, over_sampling_ratio: -1}")
+
+
+def test_drain_timeout_only_with_the_drain_gate():
+    find(errors("async_rl.drain_timeout_s=5"), "async_rl.drain_timeout_s", "drain gate")
+    assert warnings("async_rl.in_flight_weight_updates=false", "async_rl.drain_timeout_s=5") == []

@@ -400,3 +400,18 @@ def test_a_stop_request_ends_the_run_at_a_step_boundary_with_nothing_lost() -> N
     assert controller.state.step == steps[-1]
     assert controller.state.consumed_groups == 4 * steps[-1]
     assert controller.buffer.num_claimed == 0  # an open step's claims were given back
+
+
+def test_a_kl_penalty_gives_every_chunk_reference_logprobs():
+    """loss_fn.reference_policy_kl_penalty > 0: the step runner asks the trainer's reference
+    policy for every trained chunk's logprobs and hands them to the loss; off, never."""
+    streaming = ("async_rl.min_groups_for_streaming_train=2", "grpo.max_num_steps=3")
+    _, _, with_kl, _ = run_controller(
+        make_cfg(*streaming, "loss_fn.reference_policy_kl_penalty=0.01")
+    )
+    chunks = [chunk for step in with_kl.steps for chunk in step.chunks]
+    assert len(chunks) >= 3 and with_kl.reference_calls == len(chunks)
+    assert all("reference_logprobs" in chunk for chunk in chunks)
+    _, _, without, _ = run_controller(make_cfg(*streaming))
+    assert without.reference_calls == 0
+    assert not any("reference_logprobs" in c for step in without.steps for c in step.chunks)

@@ -236,3 +236,97 @@ def test_value_loss_clipping_and_gradient() -> None:
     torch.testing.assert_close(
         unclipped.grad, 2.0 * torch.tensor([[0.0, -0.5 / 3, 1.0 / 3, 1.1 / 3]])
     )
+
+
+def _one_token_batch(advantages: list[float], prev: float = 0.0) -> dict[str, torch.Tensor]:
+    n = len(advantages)
+    return {
+        "token_mask": torch.ones(1, n),
+        "sample_mask": torch.ones(1),
+        "advantages": torch.tensor([advantages]),
+        "prev_logprobs": torch.full((1, n), prev),
+    }
+
+
+def test_asymmetric_clip_bounds_are_one_minus_min_and_one_plus_max() -> None:
+    """ratio_clip_max above ratio_clip_min (clip-higher): a positive-advantage token keeps its
+    gradient up to ratio 1.28, a negative one down to 0.8, and no further."""
+    cfg = LossConfig(ratio_clip_min=0.2, ratio_clip_max=0.28)
+    ratios = [1.25, 1.30, 0.85, 0.75]
+    batch = _one_token_batch([1.0, 1.0, -1.0, -1.0])
+    curr = torch.tensor([[math.log(r) for r in ratios]], requires_grad=True)
+    loss, metrics = policy_loss(curr, batch, cfg)
+    loss.backward()
+    # d(-A r)/d log r = -A r where unclipped, 0 where clipped; token mean over 4 tokens.
+    expected = torch.tensor([[-1.25, 0.0, 0.85, 0.0]]) / 4
+    torch.testing.assert_close(curr.grad, expected)
+    assert metrics["clip_fraction"] == pytest.approx(0.5)
+    # Symmetric 0.2 would have clipped the first token too.
+    curr_sym = curr.detach().clone().requires_grad_(True)
+    policy_loss(curr_sym, batch, LossConfig())[0].backward()
+    assert curr_sym.grad[0, 0] == 0.0
+
+
+def test_dual_clip_bounds_the_loss_of_negative_advantages() -> None:
+    """ratio_clip_c = 3: for A < 0 the loss is min(max(-A r, -A clip(r)), -3 A)."""
+    cfg = LossConfig(ratio_clip_c=3.0)
+    ratios = [5.0, 2.0, 5.0]
+    advantages = [-1.0, -1.0, 1.0]
+    batch = _one_token_batch(advantages)
+    curr = torch.tensor([[math.log(r) for r in ratios]], requires_grad=True)
+    loss, metrics = policy_loss(curr, batch, cfg)
+    loss.backward()
+    # token 0: -A r = 5 > 3 = -c A -> loss 3, no gradient; token 1: -A r = 2 < 3 -> 2, grad r;
+    # token 2 (A > 0): clipped at 1.2 -> -1.2, no gradient (the dual clip never applies).
+    assert loss.item() == pytest.approx((3.0 + 2.0 - 1.2) / 3)
+    torch.testing.assert_close(curr.grad, torch.tensor([[0.0, 2.0, 0.0]]) / 3)
+    assert metrics["dual_clip_fraction"] == pytest.approx(1 / 3)
+    plain = policy_loss(curr.detach(), batch, LossConfig())[0]
+    assert plain.item() == pytest.approx((5.0 + 2.0 - 1.2) / 3)
+
+
+@pytest.mark.parametrize(
+    ("kl_type", "estimate"),
+    [
+        ("k1", lambda logr: -logr),
+        ("k2", lambda logr: 0.5 * logr**2),
+        ("k3", lambda logr: math.exp(logr) - 1.0 - logr),
+    ],
+)
+def test_reference_kl_penalty_adds_beta_times_the_estimator(kl_type, estimate) -> None:
+    beta = 0.1
+    cfg = LossConfig(reference_policy_kl_penalty=beta, reference_policy_kl_type=kl_type)
+    batch = _one_token_batch([0.0, 0.0])  # zero advantage: the loss is the KL term alone
+    curr_values = [-1.0, -2.0]
+    ref_values = [-1.5, -1.0]
+    batch["prev_logprobs"] = torch.tensor([curr_values])
+    batch["reference_logprobs"] = torch.tensor([ref_values])
+    curr = torch.tensor([curr_values], requires_grad=True)
+    loss, metrics = policy_loss(curr, batch, cfg)
+    logrs = [r - c for r, c in zip(ref_values, curr_values, strict=True)]
+    expected_kl = sum(estimate(x) for x in logrs) / 2
+    assert loss.item() == pytest.approx(beta * expected_kl)
+    assert metrics["kl_reference"] == pytest.approx(expected_kl)
+    loss.backward()
+    assert curr.grad is not None and torch.all(curr.grad != 0)
+    with pytest.raises(KeyError, match="reference_logprobs"):
+        policy_loss(
+            curr.detach(), {k: v for k, v in batch.items() if k != "reference_logprobs"}, cfg
+        )
+
+
+def test_reference_kl_clamps_input_and_output() -> None:
+    from tandemrl.training.losses import reference_kl
+
+    curr = torch.tensor([[0.0, 0.0]])
+    ref = torch.tensor([[30.0, -30.0]])
+    cfg = LossConfig(reference_policy_kl_penalty=1.0, kl_input_clamp_value=20.0)
+    # logr clamped to ±20, k3 of +20 is huge and clamped to 10; k3 of -20 is 19 -> 10 too.
+    torch.testing.assert_close(reference_kl(curr, ref, cfg), torch.tensor([[10.0, 10.0]]))
+    cfg = LossConfig(
+        reference_policy_kl_penalty=1.0,
+        reference_policy_kl_type="k1",
+        kl_input_clamp_value=None,
+        kl_output_clamp_value=None,
+    )
+    torch.testing.assert_close(reference_kl(curr, ref, cfg), torch.tensor([[-30.0, 30.0]]))

@@ -261,3 +261,43 @@ def test_progress_on_but_not_a_terminal_falls_back_to_log_lines(
     display.close()
     assert not display.uses_rich
     assert caplog.messages == ["step 1 | reward 0.100 | staleness 0.50/1 | 1001 tok/s"]
+
+
+def test_validation_passes_go_to_jsonl_tensorboard_and_the_plot_once_per_version(
+    tmp_path: Path,
+) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def val(version: int, reward: float) -> dict:
+        return {
+            "trainer_version": version,
+            "reported_at_step": version + 1,
+            "val/reward_mean": reward,
+        }
+
+    with MetricsLogger(config(tmp_path, tensorboard=True, plot=True)) as metrics_logger:
+        metrics_logger.log_validation(val(0, 0.1))  # before any step: at_start
+        for step in range(1, 5):
+            metrics_logger.log_step(step_metrics(step))
+            if step % 2 == 0:
+                metrics_logger.log_validation(val(step, 0.1 * step))
+        metrics_logger.log_validation(val(4, 0.45))  # version 4 again: replaces its line
+        plotted = list(metrics_logger._validation.items())
+    lines = [json.loads(line) for line in (tmp_path / "validation.jsonl").read_text().splitlines()]
+    assert [(r["trainer_version"], r["val/reward_mean"]) for r in lines] == [
+        (0, 0.1),
+        (2, 0.2),
+        (4, 0.45),
+    ]
+    assert [version for version, _ in plotted] == [0, 2, 4]
+    assert (tmp_path / "reward_throughput.png").stat().st_size > 0
+    accumulator = EventAccumulator(str(tmp_path / "tensorboard"))
+    accumulator.Reload()
+    assert {e.step for e in accumulator.Scalars("val/reward_mean")} == {0, 2, 4}
+    assert "reported_at_step" not in accumulator.Tags()["scalars"]
+
+    # A restart after step 2 keeps the passes of versions up to 2 (later ones run again).
+    with MetricsLogger(config(tmp_path), resume_step=3) as metrics_logger:
+        metrics_logger.log_step(step_metrics(3))
+    lines = [json.loads(line) for line in (tmp_path / "validation.jsonl").read_text().splitlines()]
+    assert [r["trainer_version"] for r in lines] == [0, 2]

@@ -380,3 +380,46 @@ def test_cuda_bf16_fused_offload_and_checkpoint(model_dir: Path, tmp_path: Path)
     assert restored_state["exp_avg"].device.type == "cuda"
     weights = asyncio.run(worker.export_weights())
     assert all(t.device.type == "cpu" for t in weights.values())
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+        ),
+    ],
+)
+def test_reference_policy_stays_frozen_at_the_initial_weights(
+    model_dir: Path, tmp_path, device: str
+) -> None:
+    """With a KL penalty the worker keeps the initial weights as the reference: its logprobs
+    equal the policy's before training, stay put while the policy moves, and survive a
+    checkpoint reload of the policy; the step reports the KL to it."""
+    loss_cfg = LossConfig(reference_policy_kl_penalty=0.05)
+    worker = make_worker(model_dir, loss_cfg=loss_cfg, device=device)
+    batch = make_batch(worker)
+
+    async def run() -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+        initial = await worker.get_reference_logprobs(batch)
+        torch.testing.assert_close(initial, batch["prev_logprobs"], atol=1e-6, rtol=0)
+        metrics: dict[str, float] = {}
+        for _ in range(3):
+            batch["prev_logprobs"] = await worker.get_logprobs(batch)
+            batch["reference_logprobs"] = await worker.get_reference_logprobs(batch)
+            await worker.begin_train_step()
+            await worker.train_microbatches(batch, step_num_sequences=6)
+            metrics = await worker.finish_train_step()
+        await worker.save_checkpoint(tmp_path / "policy", save_optimizer=False)
+        await worker.load_checkpoint(tmp_path / "policy", load_optimizer=False)
+        return initial, await worker.get_reference_logprobs(batch), metrics
+
+    initial, after, metrics = asyncio.run(run())
+    torch.testing.assert_close(after, initial, atol=0, rtol=0)
+    moved = asyncio.run(worker.get_logprobs(batch))
+    assert not torch.allclose(moved, initial, atol=1e-3)
+    assert metrics["kl_reference"] > 0
+    assert not any(p.requires_grad for p in worker.reference_model.parameters())
+    with pytest.raises(ValueError, match="reference_policy_kl_penalty"):
+        asyncio.run(make_worker(model_dir, device=device).get_reference_logprobs(batch))

@@ -118,11 +118,12 @@ class CountingCritic:
         self.warm_started_from.append(Path(checkpoint_dir))
 
 
-def run_ppo(cfg, *, train_seconds_per_step: float = 0.0, step_hooks=None):
+def run_ppo(cfg, *, train_seconds_per_step: float = 0.0, step_hooks=None, latency=None):
     events: list[str] = []
     policy = CountingPolicy(events, train_seconds_per_step=train_seconds_per_step)
     critic = CountingCritic(events)
-    engines = [FakeGenerationBackend(latency=LatencyModel("uniform", low=0.0, high=0.002), seed=1)]
+    latency = latency or LatencyModel("uniform", low=0.0, high=0.002)
+    engines = [FakeGenerationBackend(latency=latency, seed=1)]
     parts = ControllerParts(
         trainer=policy,
         engines=engines,
@@ -387,8 +388,19 @@ def test_a_step_in_several_chunks_still_makes_one_update_per_epoch() -> None:
 
     metrics = asyncio.run(step())
     assert critic.optimizer_steps == 2 and policy.optimizer_steps == 2
-    assert all(batch["input_ids"].shape[0] == 8 for batch in critic.trained_batches)
-    assert all(s.num_sequences == 8 for s in policy.steps)
+    # Each epoch trains every chunk (2 rows, then 6) into one optimizer step.
+    assert [b["input_ids"].shape[0] for b in critic.trained_batches] == [2, 6, 2, 6]
+    assert all(len(s.chunks) == 2 and s.num_sequences == 8 for s in policy.steps)
+    # The value stage and the critic's first epoch ran per chunk, as the chunks came.
+    assert events[:6] == [
+        "policy.offload_optimizer",
+        "critic.get_values",
+        "policy.get_logprobs",
+        "critic.begin",
+        "critic.get_values",
+        "policy.get_logprobs",
+    ]
+    assert metrics["num_chunks"] == 2.0 and metrics["step_rows"] == 8.0
     assert runner.refit_after_step() is True
     assert metrics["policy_trained"] == 1.0 and "critic_value_loss" in metrics
 

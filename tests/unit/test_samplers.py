@@ -602,3 +602,31 @@ def test_structural_custom_sampler_is_adapted_and_closable(plugin: str) -> None:
             await asyncio.wait_for(waiting, timeout=5)
 
     asyncio.run(scenario())
+
+
+def test_windowed_over_sampling_ratio_caps_dispatch_beyond_the_window() -> None:
+    """N=4, L=1, ratio 0.5: at most (1 + 1) x 4 + ceil(0.5 x 4) = 10 in-window groups; groups
+    that aged out of the window no longer count, claimed ones of the open step do."""
+
+    async def scenario() -> None:
+        buffer = new_buffer(capacity=32)
+        sampler = WindowedSampler(
+            buffer, groups_per_step=4, max_staleness_versions=1, over_sampling_ratio=0.5
+        )
+        version = Version()
+        assert sampler.dispatch_limit() == 10
+        for i in range(10):
+            assert await admit_now(sampler, version) is None
+            buffer.reserve(f"g{i}", 0, target_step=None)
+        assert await admit_now(sampler, version) == "blocked"
+        # Training claims two of them: still in the window, still counted.
+        for i in (0, 1):
+            buffer.commit(f"g{i}", rows(f"g{i}"), end_weight=0)
+        buffer.claim_for_training(["g0", "g1"])
+        assert await admit_now(sampler, version) == "blocked"
+        # Version 2: start_weight 0 is out of the window [1, 2]; nothing counts any more.
+        version.value = 2
+        assert await admit_now(sampler, version) is None
+        assert WindowedSampler(buffer, groups_per_step=4).dispatch_limit() is None
+
+    asyncio.run(scenario())

@@ -126,10 +126,17 @@ def test_trackers_log_every_jsonl_metric_at_its_step_and_no_credential(tmp_path,
     with MetricsLogger(logger_config(log_dir), run_config=run_config()) as metrics:
         for step in range(3):
             metrics.log_step(step_metrics(step))
+            if step == 1:  # a validation pass of version 0, reported after step 1
+                metrics.log_validation(
+                    {"trainer_version": 0, "reported_at_step": 1, "val/reward_mean": 0.5}
+                )
     expected = expected_rows(log_dir)
     assert len(expected) == 3 and "note" not in expected[0]
 
-    assert wandb_history(log_dir) == expected
+    # W&B steps only grow: the pass joins step 1's row, on its own val/trainer_version axis.
+    history = wandb_history(log_dir)
+    validation = {"val/reward_mean": 0.5, "val/trainer_version": 0}
+    assert history == [row | validation if row["_step"] == 1 else row for row in expected]
 
     client = MlflowClient(tracking_uri=f"sqlite:///{log_dir / MLFLOW_DEFAULT_DB}")
     run_id = (log_dir / MLFLOW_RUN_ID_FILE).read_text()
@@ -140,6 +147,10 @@ def test_trackers_log_every_jsonl_metric_at_its_step_and_no_credential(tmp_path,
             continue
         history = sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
         assert history == [(row["_step"], pytest.approx(row[key])) for row in expected], key
+    # MLflow takes any step: the pass is at the version it evaluated.
+    validated = client.get_metric_history(run_id, "val/reward_mean")
+    assert [(m.step, m.value) for m in validated] == [(0, 0.5)]
+    assert client.get_metric_history(run_id, "reported_at_step") == []
     # The config is recorded, with its credentials redacted.
     assert run.data.params["env.kwargs.api_token"] == REDACTED
     assert SECRETS[2] not in run.data.params["env.kwargs.judge_url"]

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import re
+import signal
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from vllm_helpers import (
@@ -26,6 +28,7 @@ from tandemrl.generation.vllm_engine import (
 )
 from tandemrl.models import load_causal_lm
 from tandemrl.records import GenerationRequest, GenerationResult
+from tandemrl.sigterm import blocked_signals, sigterm_blocked
 
 PROMPTS = ["583=", "12=", "7=", "9045=", "31=", "66=", "2=", "808="]
 
@@ -150,7 +153,14 @@ def test_weight_update_equals_fresh_engine_with_tied_embeddings(
     updated = run(engine.generate(batch("updated")))
     updated_checksum = run(engine.worker_weight_checksum())
 
-    fresh = VllmGenerationEngine(vllm_policy_cfg(), new_dir, seed=0, weight_version=version)
+    # Started as in a Ray worker, which inherits the raylet's blocked SIGTERM
+    # (tandemrl.sigterm): vLLM's engine core must still stop on the SIGTERM vLLM sends it.
+    children_before = {child.pid for child in psutil.Process().children()}
+    with sigterm_blocked():
+        fresh = VllmGenerationEngine(vllm_policy_cfg(), new_dir, seed=0, weight_version=version)
+    engine_cores = [c for c in psutil.Process().children() if c.pid not in children_before]
+    assert engine_cores
+    assert all(signal.SIGTERM not in blocked_signals(core.pid) for core in engine_cores)
     try:
         reference = run(fresh.generate(batch("fresh")))
         fresh_checksum = run(fresh.worker_weight_checksum())
@@ -178,6 +188,7 @@ def test_weight_update_equals_fresh_engine_with_tied_embeddings(
     with pytest.raises(GenerationError, match="shut down"):
         run(fresh.generate(batch("late")))
     assert not fresh._thread.is_alive()
+    assert not any(core.is_running() and core.status() != "zombie" for core in engine_cores)
 
 
 def test_update_in_flight_labels_each_token_with_its_version(

@@ -1,0 +1,232 @@
+"""Memory of a long run: the checkpointed main job for N steps, every process's RSS sampled.
+
+Runs ``tandemrl train --config examples/configs/grpo_tiny_cpu_checkpointed.yaml`` (checkpoints
+every step, rollout snapshots, commit log) as a user would, in a session of its own, and every
+``--interval-s`` seconds samples the resident memory of each process of the run (the driver
+and everything below it: Ray's gcs_server and raylet, their agents, the controller actor, the
+trainer, the generation worker) next to the step the run has reached (``metrics.jsonl``) and
+the size of the checkpoint folder.
+
+After ``--warmup-steps`` the RSS of each role is fitted against the step by least squares; the
+slopes are reported in MB per 1,000 steps (goal: each at most 1 over a 5,000-step run). With
+``--max-wall-s`` the run is stopped by SIGTERM to its process group (what ``timeout``, a
+terminal or a batch scheduler sends) once that much time has passed, and the result records how
+the stop went (exit code 143, the last checkpoint's step).
+
+    python benchmarks/soak.py --steps 5000 --interval-s 5 --warmup-steps 1000
+    python benchmarks/soak.py --steps 5000 --max-wall-s 600 --warmup-steps 200   # short mode
+
+Ends with one line ``RESULT {json}``; every sample is kept in ``<workdir>/samples.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from tandemrl.checkpoint.layout import JOURNAL
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = "examples/configs/grpo_tiny_cpu_checkpointed.yaml"
+GOAL_MB_PER_1K_STEPS = 1.0
+# Process title prefix (Ray names its workers ``ray::<Class>``) or executable -> role.
+ROLES = (
+    ("ray::SingleControllerActor", "controller"),
+    ("ray::PolicyWorker", "trainer"),
+    ("ray::ValueWorker", "critic"),
+    ("ray::GenerationWorker", "generation"),
+    ("gcs_server", "gcs"),
+    ("raylet", "raylet"),
+)
+
+
+def role_of(process: psutil.Process, driver_pid: int) -> str:
+    if process.pid == driver_pid:
+        return "driver"
+    try:
+        title = " ".join(process.cmdline()) or process.name()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return "ray_other"
+    for prefix, role in ROLES:
+        if title.startswith(prefix) or Path(title.split(" ")[0]).name == prefix:
+            return role
+    return "ray_other"  # agents, log monitor, autoscaler monitor, idle workers
+
+
+def rss_by_role(driver: psutil.Process) -> dict[str, float]:
+    """MB resident per role, over the driver and all its descendants."""
+    totals: dict[str, float] = defaultdict(float)
+    try:
+        processes = [driver, *driver.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return {}
+    for process in processes:
+        try:
+            totals[role_of(process, driver.pid)] += process.memory_info().rss / 2**20
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return dict(totals)
+
+
+def last_step(metrics: Path) -> int:
+    """The step of the last whole line of ``metrics.jsonl`` (0 before the first)."""
+    if not metrics.is_file():
+        return 0
+    with metrics.open("rb") as handle:
+        handle.seek(0, os.SEEK_END)
+        size = handle.tell()
+        handle.seek(max(size - 8192, 0))
+        lines = handle.read().splitlines()
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError):
+            continue  # a line being written
+    return 0
+
+
+def folder_mb(folder: Path) -> float:
+    total = 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(root, name)).st_size
+            except FileNotFoundError:
+                continue  # removed by retention meanwhile
+    return total / 2**20
+
+
+def slope_per_1k(points: list[tuple[int, float]]) -> float | None:
+    """Least-squares MB per 1,000 steps; None with fewer than 3 distinct steps."""
+    if len({step for step, _ in points}) < 3:
+        return None
+    fit = statistics.linear_regression([s for s, _ in points], [mb for _, mb in points])
+    return round(fit.slope * 1000, 3)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=5000)
+    parser.add_argument("--max-wall-s", type=float, default=None)
+    parser.add_argument("--interval-s", type=float, default=5.0)
+    parser.add_argument("--warmup-steps", type=int, default=1000)
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/tandemrl-soak"))
+    parser.add_argument("overrides", nargs="*", help="extra config overrides (key=value)")
+    args = parser.parse_args()
+
+    workdir = args.workdir.resolve()
+    if workdir.exists() and any(workdir.iterdir()):
+        parser.error(f"--workdir {workdir} is not empty (a soak starts a fresh run)")
+    workdir.mkdir(parents=True, exist_ok=True)
+    log_dir, checkpoint_dir = workdir / "logs", workdir / "ckpt"
+    command = [
+        sys.executable,
+        "-m",
+        "tandemrl.cli",
+        "train",
+        "--config",
+        CONFIG,
+        f"grpo.max_num_steps={args.steps}",
+        f"logger.log_dir={log_dir}",
+        f"checkpointing.checkpoint_dir={checkpoint_dir}",
+        "logger.progress=false",
+        "logger.save_final_model=false",
+        *args.overrides,
+    ]
+    load_before = os.getloadavg()
+    started = time.monotonic()
+    samples: list[dict[str, Any]] = []
+    stopped_by_signal = False
+    with (workdir / "run.log").open("wb") as run_log:
+        process = subprocess.Popen(
+            command,
+            cwd=REPO,
+            env={**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(REPO)},
+            stdout=run_log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    driver = psutil.Process(process.pid)
+    try:
+        with (workdir / "samples.jsonl").open("w") as out:
+            while process.poll() is None:
+                elapsed = time.monotonic() - started
+                if args.max_wall_s is not None and elapsed > args.max_wall_s:
+                    stopped_by_signal = True
+                    os.killpg(process.pid, signal.SIGTERM)
+                    break
+                sample = {
+                    "t_s": round(elapsed, 1),
+                    "step": last_step(log_dir / "metrics.jsonl"),
+                    "rss_mb": {k: round(v, 2) for k, v in rss_by_role(driver).items()},
+                    "checkpoint_mb": round(folder_mb(checkpoint_dir), 2),
+                    "load1": os.getloadavg()[0],
+                }
+                samples.append(sample)
+                out.write(json.dumps(sample) + "\n")
+                out.flush()
+                time.sleep(args.interval_s)
+        returncode = process.wait(timeout=600)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    wall = time.monotonic() - started
+
+    steps = last_step(log_dir / "metrics.jsonl")
+    # Samples of the training phase only: after the warm-up, before the last step (the run's
+    # end imports matplotlib for the plot and stops its processes), every role present.
+    training = [s for s in samples if args.warmup_steps <= s["step"] < steps]
+    roles = sorted({role for s in training for role in s["rss_mb"]})
+    fitted = [s for s in training if set(s["rss_mb"]) == set(roles)]
+    slopes = {
+        role: slope_per_1k([(s["step"], s["rss_mb"].get(role, 0.0)) for s in fitted])
+        for role in roles
+    }
+    total = slope_per_1k([(s["step"], sum(s["rss_mb"].values())) for s in fitted])
+    tail = (workdir / "run.log").read_text(errors="replace").splitlines()[-5:]
+    checked = [slopes.get("controller"), slopes.get("gcs"), total]
+    journal = checkpoint_dir / JOURNAL
+    result = {
+        "steps": steps,
+        "steps_asked": args.steps,
+        "wall_s": round(wall, 1),
+        "steps_per_s": round(steps / wall, 2) if wall else None,
+        "samples": len(samples),
+        "fitted_samples": len(fitted),
+        "warmup_steps": args.warmup_steps,
+        "controller_mb_per_1k_steps": slopes.get("controller"),
+        "gcs_mb_per_1k_steps": slopes.get("gcs"),
+        "total_mb_per_1k_steps": total,
+        "mb_per_1k_steps_by_role": slopes,
+        "rss_mb_after_warmup": fitted[0]["rss_mb"] if fitted else None,
+        "rss_mb_last": fitted[-1]["rss_mb"] if fitted else None,
+        "checkpoint_mb_last": samples[-1]["checkpoint_mb"] if samples else None,
+        "checkpoint_mb_max": max((s["checkpoint_mb"] for s in samples), default=None),
+        "checkpoint_mb_final": round(folder_mb(checkpoint_dir), 2),
+        "journal_mb": round(journal.stat().st_size / 2**20, 2) if journal.is_file() else None,
+        "goal_met": all(v is not None and v <= GOAL_MB_PER_1K_STEPS for v in checked),
+        "returncode": returncode,
+        "stopped_by_sigterm": stopped_by_signal,
+        "stop_said_resume": any("run the same command to resume" in line for line in tail),
+        "load_before": [round(x, 2) for x in load_before],
+        "load_after": [round(x, 2) for x in os.getloadavg()],
+        "workdir": str(workdir),
+    }
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0 if returncode in (0, 128 + signal.SIGTERM) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

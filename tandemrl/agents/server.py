@@ -1,0 +1,219 @@
+"""The OpenAI-compatible HTTP endpoint: a FastAPI app served by uvicorn in the caller's loop.
+
+``PolicyEndpoint(service)`` serves ``PolicyService`` (``service.py``) over HTTP:
+
+    POST /v1/chat/completions   POST /v1/completions   GET /v1/models   GET /health
+
+It runs inside the event loop that starts it (the controller actor's, next to the
+generation pool: no extra process, no hop between the endpoint and the engines), bound to
+``host`` (loopback by default) and ``port`` (0: a free one, read back from ``url``). The
+run, not the endpoint, owns the process's signals, so uvicorn installs no signal handlers.
+
+Per request the work is kept small (the CPU goes to the agents' clients and the engines):
+the body is read raw, size-checked and parsed with orjson when installed; the key comes from
+the ``Authorization: Bearer`` header; the answer is serialized once, by hand, without
+FastAPI's response models or encoders. Errors have OpenAI's shape
+(``{"error": {"message", "type", "param", "code"}}``) so the official client raises its
+usual ``BadRequestError`` / ``AuthenticationError`` / ``ConflictError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+from collections.abc import Awaitable, Callable, Generator
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+
+from tandemrl.agents.service import PolicyService, RequestError
+
+log = logging.getLogger(__name__)
+
+try:  # a C JSON codec, several times faster than json on these bodies
+    import orjson
+
+    def _loads(data: bytes) -> Any:
+        return orjson.loads(data)
+
+    def _dumps(value: Any) -> bytes:
+        return orjson.dumps(value)
+
+except ImportError:  # pragma: no cover - orjson is a dependency; json keeps it working
+
+    def _loads(data: bytes) -> Any:
+        return json.loads(data)
+
+    def _dumps(value: Any) -> bytes:
+        return json.dumps(value, separators=(",", ":")).encode()
+
+
+def _http_parser() -> str:
+    """uvicorn's httptools parser when installed (less CPU per request), else h11."""
+    try:
+        import httptools  # noqa: F401
+    except ImportError:  # pragma: no cover - httptools is a dependency
+        return "h11"
+    return "httptools"
+
+
+def bearer_key(authorization: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header (None when absent)."""
+    if not authorization:
+        return None
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+def build_app(service: PolicyService, *, max_request_bytes: int) -> FastAPI:
+    """The FastAPI app of the four routes over ``service``."""
+    app = FastAPI(title="tandemrl policy", openapi_url=None, docs_url=None, redoc_url=None)
+    json_type = "application/json"
+
+    def answer(payload: dict[str, Any], status: int = 200) -> Response:
+        return Response(_dumps(payload), status_code=status, media_type=json_type)
+
+    async def read_body(request: Request) -> Any:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > max_request_bytes:
+            raise RequestError(
+                400,
+                f"the request body is {declared} bytes, above the endpoint's limit of "
+                f"{max_request_bytes} (policy.generation.http_server.max_request_bytes)",
+                param="max_request_bytes",
+            )
+        raw = await request.body()
+        if len(raw) > max_request_bytes:
+            raise RequestError(
+                400,
+                f"the request body is {len(raw)} bytes, above the endpoint's limit of "
+                f"{max_request_bytes} (policy.generation.http_server.max_request_bytes)",
+                param="max_request_bytes",
+            )
+        try:
+            return _loads(raw)
+        except ValueError as exc:
+            raise RequestError(400, f"the request body is not JSON: {exc}") from exc
+
+    async def serve(
+        request: Request, call: Callable[[str | None, Any], Awaitable[dict[str, Any]]]
+    ) -> Response:
+        try:
+            key = bearer_key(request.headers.get("authorization"))
+            if key is None:
+                raise RequestError(
+                    401, "no episode key: send it as 'Authorization: Bearer <key>' (api_key)"
+                )
+            return answer(await call(key, await read_body(request)))
+        except RequestError as error:
+            return answer(error.body(), error.status)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await serve(request, service.chat)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await serve(request, service.completion)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return answer(service.models())
+
+    @app.get("/health")
+    async def health() -> Response:
+        return answer({"status": "ok"})
+
+    return app
+
+
+class PolicyEndpoint:
+    """Start/stop the HTTP endpoint in the running event loop (see the module docstring)."""
+
+    def __init__(
+        self,
+        service: PolicyService,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_request_bytes: int = 1_048_576,
+    ) -> None:
+        self.service = service
+        self.host = host
+        self.port = port
+        self.max_request_bytes = max_request_bytes
+        self._server: Any = None
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def url(self) -> str:
+        """The OpenAI base URL, ``http://host:port/v1`` (the port picked at start)."""
+        if self._server is None:
+            raise RuntimeError("the policy endpoint is not started")
+        host = self.host if ":" not in self.host else f"[{self.host}]"
+        return f"http://{host}:{self.port}/v1"
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    async def start(self) -> str:
+        import uvicorn
+
+        class EmbeddedServer(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self) -> Generator[None, None, None]:
+                yield  # the run handles SIGINT/SIGTERM (graceful stop), not the endpoint
+
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        # IPPROTO_TCP, not 0: asyncio switches Nagle's algorithm off (TCP_NODELAY) only on
+        # sockets whose proto says TCP, and a response written as headers then body would
+        # otherwise wait out the client's delayed ACK, about 40 ms a call (measured here).
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.host, self.port))
+        except OSError as exc:
+            sock.close()
+            raise OSError(
+                f"policy.generation.http_server: cannot bind {self.host}:{self.port} ({exc}); "
+                "pick another host/port (port 0 picks a free one)"
+            ) from exc
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(
+            build_app(self.service, max_request_bytes=self.max_request_bytes),
+            http=_http_parser(),
+            loop="none",
+            lifespan="off",
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=2,
+        )
+        self._server = EmbeddedServer(config)
+        self._task = asyncio.get_running_loop().create_task(
+            self._server.serve(sockets=[sock]), name="policy-endpoint"
+        )
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises the startup failure
+                raise RuntimeError("the policy endpoint stopped while starting")
+            await asyncio.sleep(0.005)
+        log.info("policy endpoint serving at %s", self.url)
+        return self.url
+
+    async def stop(self) -> None:
+        if self._server is None or self._task is None:
+            return
+        self._server.should_exit = True
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), timeout=5.0)
+        except TimeoutError:
+            self._server.force_exit = True
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task

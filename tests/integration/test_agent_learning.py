@@ -1,0 +1,44 @@
+"""The agent exemplar learns: the two-turn counting game, played over the HTTP endpoint with
+the official openai client, on local Ray with the real tiny model and trainer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tandemrl.config.loader import load_config
+from tandemrl.controller.run import run_training
+
+pytestmark = pytest.mark.integration
+
+STEPS = 100
+
+
+def test_reward_rises_on_the_two_turn_counting_game(ray_session, tmp_path: Path):
+    cfg = load_config(
+        "examples/configs/grpo_tiny_cpu_agent.yaml",
+        (
+            f"grpo.max_num_steps={STEPS}",
+            f"logger.log_dir={tmp_path}",
+            "logger.tensorboard=false",
+            "logger.progress=false",
+            "logger.plot=false",
+            "logger.save_final_model=false",
+        ),
+    )
+    assert cfg.policy.generation.http_server.enabled and cfg.env.name == "agent"
+    assert run_training(cfg) == 0
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
+    first = sum(row["reward_mean"] for row in rows[:20]) / 20
+    last = sum(row["reward_mean"] for row in rows[-20:]) / 20
+    # Measured at load 30-45 on the 2-core machine: 0.049 over the first 20 steps, 0.075-0.08
+    # over steps 81-100 (docs/benchmarks.md); per-step rewards scatter by about 0.012, so a
+    # 20-step mean by about 0.003.
+    assert last > first + 0.015 and last > 1.3 * first, (first, last)
+    # Both turns were played and trained (the reply between them masked), every step.
+    assert all(row["agent/turns_mean"] == 2.0 for row in rows)
+    assert all(0.0 <= row["agent/prefix_split_frac"] <= 1.0 for row in rows)
+    assert all(row["staleness_max"] <= 1 for row in rows)
