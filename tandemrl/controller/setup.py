@@ -494,7 +494,7 @@ def launch(
         )
     worker_class = make_generation_worker_class(
         num_cpus=placement.generation_cpus, num_gpus=placement.generation_gpus
-    ).options(**_resources(cfg.cluster.actor_resources.generation))
+    )
     options = engine_options(
         cfg.policy,
         recompute_kv_cache_after_weight_updates=cfg.async_rl.recompute_kv_cache_after_weight_updates,
@@ -503,7 +503,7 @@ def launch(
     # No record per call in the GCS (cluster.ray_task_events); see the module docstring.
     events = {"enable_task_events": cfg.cluster.ray_task_events}
     engines = [
-        worker_class.options(**events).remote(
+        worker_class.options(**_resources(cfg.cluster.actor_resources.generation), **events).remote(
             model_path,
             backend=backend,
             policy_cfg=cfg.policy,
