@@ -48,6 +48,7 @@ def runtime_problems(cfg: MasterConfig) -> list[str]:
     problems += _dataset_problems(cfg)
     problems += _teacher_problems(cfg)
     problems += _import_problems(cfg)
+    problems += _nemo_gym_problems(cfg)
     problems += _device_problems(cfg)
     problems += installed_version_problems()
     return problems
@@ -131,7 +132,7 @@ def _dataset_problems(cfg: MasterConfig) -> list[str]:
 
     problems = []
     try:
-        load_prompt_records(cfg.data)
+        load_prompt_records(cfg.data, gym_rows=cfg.env.name == "nemo_gym")
     except DatasetError as error:
         problems.append(str(error))
     except (OSError, UnicodeDecodeError) as error:
@@ -258,6 +259,19 @@ def _import_problems(cfg: MasterConfig) -> list[str]:
                 f"{error}"
             )
     return problems
+
+
+def _nemo_gym_problems(cfg: MasterConfig) -> list[str]:
+    """env.name: nemo_gym: the Gym venv exists and imports Gym (else: how to build it)."""
+    if cfg.env.name != "nemo_gym":
+        return []
+    from tandemrl.nemo_gym.venv import GymVenvMissing, check_gym_venv
+
+    try:
+        check_gym_venv(cfg.env.nemo_gym.venv)
+    except GymVenvMissing as error:
+        return [str(error)]
+    return []
 
 
 def _device_problems(cfg: MasterConfig) -> list[str]:

@@ -17,8 +17,17 @@ user how to write an agent and what the endpoint answers.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from tandemrl.agents.api import Agent, AgentInfraFailure, AgentResult, import_agent_class
-from tandemrl.config.models import EnvConfig
+from tandemrl.config.models import EnvConfig, MasterConfig
+
+# env.name values whose episodes are agent runs: a user's Agent, or NeMo-Gym's servers.
+AGENT_RUNS = ("agent", "nemo_gym")
+
+
+def is_agent_run(cfg: EnvConfig) -> bool:
+    return cfg.name in AGENT_RUNS
 
 
 def agent_class(cfg: EnvConfig) -> type[Agent]:
@@ -42,11 +51,28 @@ def create_agent(cfg: EnvConfig) -> Agent:
         ) from error
 
 
+def create_run_agent(cfg: MasterConfig) -> Agent:
+    """The run's agent: ``env.target`` (env.name: agent), or the NeMo-Gym agent whose episodes
+    Gym's servers play (env.name: nemo_gym; its logs go to ``<logger.log_dir>/nemo_gym``)."""
+    if cfg.env.name == "nemo_gym":
+        from tandemrl.nemo_gym.agent import GymAgent
+
+        return GymAgent(
+            cfg.env.nemo_gym,
+            run_dir=Path(cfg.logger.log_dir) / "nemo_gym",
+            served_model_name=cfg.policy.generation.http_server.served_model_name,
+        )
+    return create_agent(cfg.env)
+
+
 __all__ = [
+    "AGENT_RUNS",
     "Agent",
     "AgentInfraFailure",
     "AgentResult",
     "agent_class",
     "create_agent",
+    "create_run_agent",
     "import_agent_class",
+    "is_agent_run",
 ]

@@ -41,6 +41,20 @@ class Agent(ABC):
     async def run(self, item: PromptItem, client: Any) -> AgentResult:
         """Play one episode of ``item`` through ``client``; return its reward."""
 
+    async def start(self, policy_base_url: str | None) -> None:
+        """Called once before the first episode, with the endpoint's base URL (None with the
+        in-process client): start what the episodes need (NeMo-Gym's servers, a sandbox)."""
+        return None
+
+    async def stop(self) -> None:
+        """Called once after the last episode (also when the run fails)."""
+        return None
+
+    async def health(self) -> str | None:
+        """What is wrong with what the agent depends on, for the stall watchdog's report
+        (None: nothing known to be wrong)."""
+        return None
+
 
 def check_agent_result(value: object) -> AgentResult:
     """``value`` if it is a well-formed ``AgentResult``; else ValueError saying what is wrong."""

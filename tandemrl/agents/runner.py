@@ -98,17 +98,33 @@ class AgentRollouts:
         # None: agents get the in-process client; else the HTTP endpoint and openai's client.
         self.endpoint = endpoint
         self._http_client: Any = None
+        self._agent_started = False
         self.episodes_run = 0
 
     # ------------------------------------------------------------------ run service
 
     async def start(self) -> None:
-        if self.endpoint is None or self.endpoint.running:
-            return
-        url = await self.endpoint.start()
-        self._http_client = shared_openai_client(url)
+        if self.endpoint is not None and not self.endpoint.running:
+            url = await self.endpoint.start()
+            self._http_client = shared_openai_client(url)
+        if not self._agent_started:
+            try:
+                await self.agent.start(None if self.endpoint is None else self.endpoint.url)
+            except BaseException:
+                # Not started as a service: the controller will not call stop; clean up here.
+                await self.agent.stop()
+                await self.stop()
+                raise
+            self._agent_started = True
+
+    async def health(self) -> str | None:
+        """The agent's own report on what it depends on (the stall watchdog quotes it)."""
+        return await self.agent.health()
 
     async def stop(self) -> None:
+        if self._agent_started:
+            self._agent_started = False
+            await self.agent.stop()
         if self._http_client is not None:
             await self._http_client.close()
             self._http_client = None

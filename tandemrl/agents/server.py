@@ -11,8 +11,9 @@ run, not the endpoint, owns the process's signals, so uvicorn installs no signal
 
 Per request the work is kept small (the CPU goes to the agents' clients and the engines):
 the body is read raw, size-checked and parsed with orjson when installed; the key comes from
-the ``Authorization: Bearer`` header; the answer is serialized once, by hand, without
-FastAPI's response models or encoders. Errors have OpenAI's shape
+the ``Authorization: Bearer`` header, or from the body field ``tandemrl_episode_key`` (a proxy
+such as NeMo-Gym's model server sends one api key for every episode); the answer is
+serialized once, by hand, without FastAPI's response models or encoders. Errors have OpenAI's shape
 (``{"error": {"message", "type", "param", "code"}}``) so the official client raises its
 usual ``BadRequestError`` / ``AuthenticationError`` / ``ConflictError``.
 """
@@ -60,6 +61,10 @@ def _http_parser() -> str:
     return "httptools"
 
 
+# The body field that may carry the episode key in place of the Authorization header.
+BODY_KEY_FIELD = "tandemrl_episode_key"
+
+
 def bearer_key(authorization: str | None) -> str | None:
     """The token of an ``Authorization: Bearer <token>`` header (None when absent)."""
     if not authorization:
@@ -104,12 +109,17 @@ def build_app(service: PolicyService, *, max_request_bytes: int) -> FastAPI:
         request: Request, call: Callable[[str | None, Any], Awaitable[dict[str, Any]]]
     ) -> Response:
         try:
-            key = bearer_key(request.headers.get("authorization"))
+            body = await read_body(request)
+            # A proxy that holds one api key for every episode (NeMo-Gym's model servers) names
+            # the episode in the body instead; it wins over the bearer token.
+            key = body.get(BODY_KEY_FIELD) if isinstance(body, dict) else None
+            if not isinstance(key, str):
+                key = bearer_key(request.headers.get("authorization"))
             if key is None:
                 raise RequestError(
                     401, "no episode key: send it as 'Authorization: Bearer <key>' (api_key)"
                 )
-            return answer(await call(key, await read_body(request)))
+            return answer(await call(key, body))
         except RequestError as error:
             return answer(error.body(), error.status)
 

@@ -139,6 +139,13 @@ BUILTIN_EXCLUDED_PATHS: tuple[str, ...] = (
     "policy.generation.val_top_k",
     "checkpointing.metric_name",
     "checkpointing.higher_is_better",
+    # Where the NeMo-Gym venv and servers are and how long to wait for them to come up, not
+    # which servers play an episode (env.nemo_gym.config_paths, overrides, routes do).
+    "env.nemo_gym.venv",
+    "env.nemo_gym.head_server",
+    "env.nemo_gym.working_dir",
+    "env.nemo_gym.startup_timeout_s",
+    "env.nemo_gym.max_server_restarts",
 )
 
 # Everything else: what a prompt is, how it is generated and scored, and what the trainer
@@ -261,6 +268,13 @@ ROLLOUT_SEMANTIC_PATHS: tuple[str, ...] = (
     "env.agent.max_tokens_per_episode",
     "env.agent.call_timeout_s",
     "env.agent.episode_timeout_s",
+    # Which Gym servers play an episode and how long one may take.
+    "env.nemo_gym.config_paths",
+    "env.nemo_gym.overrides",
+    "env.nemo_gym.model_server",
+    "env.nemo_gym.default_agent",
+    "env.nemo_gym.agent_routes",
+    "env.nemo_gym.run_timeout_s",
 )
 
 

@@ -645,8 +645,48 @@ class AgentConfig(Strict):
     episode_timeout_s: float = Field(300.0, gt=0.0)
 
 
+class GymHeadServerConfig(Strict):
+    """A running NeMo-Gym head server (``gym env start``) to take the servers from."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(ge=1, le=65535)
+
+
+class NemoGymConfig(Strict):
+    """env.name: nemo_gym: episodes played by NeMo-Gym's own agent and resources servers
+    (docs/nemo_gym.md)."""
+
+    # The Gym virtual environment (scripts/install_nemo_gym.sh DIR); None: the
+    # TANDEMRL_NEMO_GYM_VENV environment variable.
+    venv: str | None = None
+    # Start the Gym servers: Gym config files (Gym's own +config_paths), relative ones resolved
+    # as Gym does (against working_dir, then Gym's install folder).
+    config_paths: list[str] = []
+    # Gym global-config values merged after the files (like `gym env start ++key=value`),
+    # e.g. {"policy_model": {"responses_api_models": {"vllm_model": {...}}}}.
+    overrides: dict[str, Any] = {}
+    # Or connect to servers started elsewhere: their head server (exclusive with config_paths).
+    head_server: GymHeadServerConfig | None = None
+    # The folder Gym runs in (it finds local servers and relative paths there); None: the
+    # folder `tandemrl train` was started in.
+    working_dir: str | None = None
+    # The Gym model server whose backend is this run's policy endpoint.
+    model_server: str = Field("policy_model", min_length=1)
+    # Rows without an agent_ref go to this agent server; None: such a row is an error.
+    default_agent: str | None = None
+    # agent_ref -> the agent server that plays it (default: the agent_ref's own name).
+    agent_routes: dict[str, str] = {}
+    # Deadline of one /run (the whole episode inside Gym); passing it is an infrastructure
+    # failure naming the Gym servers that stopped answering. Below env.agent.episode_timeout_s.
+    run_timeout_s: float = Field(120.0, gt=0.0)
+    # How long TandemRL waits for the Gym servers it starts to answer.
+    startup_timeout_s: float = Field(600.0, gt=0.0)
+    # A Gym server process that dies is started again (same port) up to this many times.
+    max_server_restarts: int = Field(3, ge=0)
+
+
 class EnvConfig(Strict):
-    name: Literal["counting", "math", "custom", "agent"] = "counting"
+    name: Literal["counting", "math", "custom", "agent", "nemo_gym"] = "counting"
     # env.name == custom: "module:ClassName" of an Environment subclass; env.name == agent:
     # "module:ClassName" of a tandemrl.agents.Agent subclass.
     target: str | None = None
@@ -655,8 +695,10 @@ class EnvConfig(Strict):
     # that builds the environment (the controller actor), relative ones against its working
     # directory.
     python_path: list[str] = []
-    # env.name == agent: limits and deadlines of the agent episodes.
+    # env.name == agent or nemo_gym: limits and deadlines of the agent episodes.
     agent: AgentConfig = AgentConfig()
+    # env.name == nemo_gym: how to reach or start the Gym servers, and which agent plays a row.
+    nemo_gym: NemoGymConfig = NemoGymConfig()
 
 
 class ActorResourcesConfig(Strict):

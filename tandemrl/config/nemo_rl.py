@@ -9,7 +9,7 @@ original has already seen the NeMo-RL keys it points at) and returns:
 - ``notices``: one line per key carried over under another name or shape ("renamed"), or
   accepted although TandemRL does something slightly different ("ignored", "differs");
 - ``refusals``: one "not supported by TandemRL: <what>; <what to do>" line per subtree that
-  changes training and that TandemRL cannot honour (the Megatron trainer, NeMo-Gym, tensor
+  changes training and that TandemRL cannot honour (the Megatron trainer, sharded NeMo-Gym, tensor
   parallelism, LoRA, a KL penalty to a reference model, ...). The subtree is removed, so
   none of its keys shows up again as "unknown key";
 - ``dropped``: every key that was not carried over and why (``tandemrl port`` lists them).
@@ -206,13 +206,18 @@ def _algorithm(tx: _Translator, block: str) -> None:
     if isinstance(value, dict) and not value.get("enabled", False):
         tx.pop(f"{block}.{legacy}")
         tx.drop(f"{block}.{legacy}", "the legacy async block is disabled (enabled: false)")
-    tx.inert(
-        f"{block}.max_rollout_turns",
-        _one,
-        "multi-turn rollouts",
-        "TandemRL's environments score one completion per prompt; set it to 1",
-        reason="one turn per rollout is what TandemRL does",
-    )
+    if tx.get("env.should_use_nemo_gym") is True:
+        # Gym's agent plays the turns; TandemRL caps the calls of one episode.
+        tx.rename(f"{block}.max_rollout_turns", "env.agent.max_turns")
+    else:
+        tx.inert(
+            f"{block}.max_rollout_turns",
+            _one,
+            "multi-turn rollouts",
+            "TandemRL's environments score one completion per prompt; set it to 1 (or "
+            "write an agent: env.name: agent, docs/agents.md)",
+            reason="one turn per rollout is what TandemRL does",
+        )
     tx.rename(f"{block}.val_num_generations_per_prompt", f"{block}.val_num_generations")
     if not _validation_on(tx):
         for key in ("max_val_samples", "val_batch_size", "val_num_generations"):
@@ -627,12 +632,8 @@ def _generation(tx: _Translator) -> None:
         "zmq_refit_server_port",
     ):
         tx.ignore(f"{vllm}.{key}", "speed, logging or ports of NeMo-RL's vLLM workers")
-    tx.inert(
-        f"{vllm}.expose_http_server",
-        _off,
-        "an OpenAI HTTP server in the vLLM workers (for NeMo-Gym)",
-        f"set {vllm}.expose_http_server: false",
-    )
+    # NeMo-Gym's model server calls an OpenAI server; TandemRL's is the policy endpoint.
+    tx.rename(f"{vllm}.expose_http_server", "policy.generation.http_server.enabled")
     tx.ignore(f"{vllm}.skip_tokenizer_init", "tokenizer loading of NeMo-RL's vLLM workers")
     tx.ignore(f"{vllm}.http_server_serving_chat_kwargs", "NeMo-RL's vLLM HTTP server")
     tx.inert(
@@ -675,20 +676,26 @@ def _async_rl(tx: _Translator) -> None:
     )
     _drop_if_empty(tx, f"{failure}.native")
     nemo_gym = tx.pop(f"{failure}.nemo_gym")
-    if nemo_gym is not _MISSING:
-        if isinstance(nemo_gym, dict) and nemo_gym.get("rollout_timeout_s") is None:
-            tx.drop(f"{failure}.nemo_gym", "settings of NeMo-Gym rollouts, which are not used")
-        else:
-            tx.refuse(
-                f"{failure}.nemo_gym",
-                "NeMo-Gym rollout deadlines",
-                f"use {failure}.rollout_timeout_s",
+    if isinstance(nemo_gym, dict):
+        timeout = nemo_gym.pop("rollout_timeout_s", None)
+        if timeout is not None:
+            tx.set("env.nemo_gym.run_timeout_s", timeout)
+            tx.notice(
+                f"{failure}.nemo_gym.rollout_timeout_s: renamed to env.nemo_gym.run_timeout_s "
+                "(the deadline of one Gym /run)"
             )
+        for key in nemo_gym:
+            tx.drop(f"{failure}.nemo_gym.{key}", "NeMo-RL's own retry knobs of Gym rollouts")
+    elif nemo_gym is not _MISSING:
+        tx.drop(f"{failure}.nemo_gym", "settings of NeMo-Gym rollouts, which are not used")
     watchdog = "async_rl.stall_watchdog"
     tx.rename(f"{watchdog}.stall_timeout_s", f"{watchdog}.timeout_s")
     tx.rename(f"{watchdog}.stall_action", f"{watchdog}.action")
     tx.ignore(f"{watchdog}.interval_s", "TandemRL's watchdog checks every few seconds")
-    tx.ignore(f"{watchdog}.gym_subprocess_check", "NeMo-Gym servers are not used")
+    tx.ignore(
+        f"{watchdog}.gym_subprocess_check",
+        "TandemRL probes the Gym servers itself (the stall report names one that stopped)",
+    )
     tx.inert(
         "async_rl.generation_fleet_health",
         _disabled,
@@ -851,6 +858,14 @@ def _data(tx: _Translator) -> None:
         settings.setdefault("dataset_name", legacy_name)
     path = settings.get("data_path")
     name = settings.get("dataset_name")
+    if name == "NemoGymDataset" and path is not None:
+        # Gym rows keep their own fields (responses_create_params, agent_ref, task_source).
+        tx.set("data.dataset", path)
+        tx.notice(f"data.train.data_path: carried over as data.dataset: {path} (NeMo-Gym rows)")
+        for key in ("processor", "env_name", "dataset_name", "prompt_file", "system_prompt_file"):
+            if key in settings:
+                tx.drop(f"data.train.{key}", "NeMo-Gym rows need no processor")
+        return
     if path is None:
         tx.refuse(
             "data.train",
@@ -880,15 +895,11 @@ def _env(tx: _Translator) -> None:
     if not isinstance(env, dict):
         return
     gym = tx.pop("env.should_use_nemo_gym")
-    gym_block = tx.pop("env.nemo_gym")
-    if gym is True or (gym_block is not _MISSING and gym_block is not None and gym is not False):
-        tx.refuse(
-            "env.nemo_gym",
-            "NeMo-Gym environments (not yet)",
-            "use env.name: math or counting, or env.name: custom with your Environment",
-        )
-    elif gym_block is not _MISSING or gym is not _MISSING:
+    if gym is True:
+        _nemo_gym(tx)
+    elif gym is not _MISSING and tx.pop("env.nemo_gym") is not _MISSING:
         tx.drop("env.nemo_gym", "NeMo-Gym is off")
+    # Without should_use_nemo_gym, env.nemo_gym is TandemRL's own block (env.name: nemo_gym).
     for key in ("should_log_nemo_gym_responses", "should_mask_flagged_samples"):
         tx.ignore(f"env.{key}", "logging and masking of NeMo-Gym rollouts")
     math_env = tx.pop("env.math")
@@ -901,6 +912,56 @@ def _env(tx: _Translator) -> None:
             "also compares symbolic answers"
         )
         tx.drop("env.math", "workers and verifier of NeMo-RL's math environment")
+
+
+# TandemRL's env.nemo_gym keys that a translation step writes before _nemo_gym reads the block.
+_TANDEMRL_GYM_KEYS = ("run_timeout_s",)
+# NeMo-RL's own knobs inside env.nemo_gym; every other key there is Gym's global config.
+_GYM_NEMO_RL_KNOBS: dict[str, tuple[Predicate, str, str]] = {
+    "is_trajectory_collection": (_off, "trajectory collection without training", ""),
+    "pad_dynamic_image_shapes": (_off, "multimodal NeMo-Gym rows", ""),
+    "require_routed_experts": (_off, "routed-expert replay (R3)", ""),
+    "effort_levels": (_empty, "per-row reasoning effort levels", ""),
+    "invalid_tool_call_patterns": (_empty, "masking samples with invalid tool calls", ""),
+    "thinking_tags": (_empty, "masking samples with malformed thinking", ""),
+    "shards": (_empty, "NeMo-Gym sharded across nodes", "run one Gym (no shards)"),
+}
+_GYM_IGNORED = {
+    "rollout_max_attempts_to_avoid_lp_nan": "TandemRL trains on the logprobs the engine returned",
+    "use_fastokens": "tokenizer patching of NeMo-RL's rollout actors",
+    "token_capture": "NeMo-RL's receipt mode: TandemRL's endpoint captures every turn itself",
+    "tokenizer_config": "NeMo-RL's processor reconstruction",
+}
+
+
+def _nemo_gym(tx: _Translator) -> None:
+    """A NeMo-RL Gym config (env.should_use_nemo_gym: true) as env.name: nemo_gym."""
+    block = tx.pop("env.nemo_gym")
+    block = dict(block) if isinstance(block, dict) else {}
+    tx.set("env.name", "nemo_gym")
+    tx.notice("env.should_use_nemo_gym: carried over as env.name: nemo_gym (docs/nemo_gym.md)")
+    config_paths = block.pop("config_paths", None)
+    if config_paths:
+        tx.set("env.nemo_gym.config_paths", list(config_paths))
+    # Keys of TandemRL's own block already carried over (run_timeout_s, by _async_rl) stay.
+    for key in _TANDEMRL_GYM_KEYS:
+        if key in block:
+            tx.set(f"env.nemo_gym.{key}", block.pop(key))
+    for key, (harmless, what, todo) in _GYM_NEMO_RL_KNOBS.items():
+        if key in block:
+            tx.set(f"env.nemo_gym.{key}", block.pop(key))
+            tx.inert(f"env.nemo_gym.{key}", harmless, what, todo)
+    for key, reason in _GYM_IGNORED.items():
+        if key in block:
+            block.pop(key)
+            tx.drop(f"env.nemo_gym.{key}", reason)
+    if block:
+        # Gym's own global config (policy_model overrides, port ranges, server settings).
+        tx.set("env.nemo_gym.overrides", block)
+        tx.notice(
+            f"env.nemo_gym.{', '.join(sorted(block))}: carried over into env.nemo_gym.overrides "
+            "(Gym global config merged after the config files)"
+        )
 
 
 def _logger(tx: _Translator) -> None:
@@ -919,7 +980,7 @@ def _logger(tx: _Translator) -> None:
         tx.notice("logger.tensorboard_enabled: renamed to logger.tensorboard")
     for tracker in ("wandb", "mlflow"):
         tx.rename(f"logger.{tracker}_enabled", f"logger.{tracker}.enabled")
-    tx.ignore("logger.wandb.log_nemo_gym_full_result_tables", "NeMo-Gym is not used")
+    tx.ignore("logger.wandb.log_nemo_gym_full_result_tables", "W&B tables of whole Gym responses")
     tx.inert("logger.swanlab_enabled", _off, "SwanLab", "use logger.wandb or logger.mlflow")
     tx.ignore("logger.swanlab", "SwanLab is not used")
     tx.ignore("logger.monitor_gpus", "GPU monitoring is not logged")

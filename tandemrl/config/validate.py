@@ -72,6 +72,7 @@ class _Checker:
         self.check_task()
         self.check_env()
         self.check_agents()
+        self.check_nemo_gym()
         self.check_prompt_format()
 
     # ------------------------------------------------------------------ sampler class
@@ -855,14 +856,14 @@ class _Checker:
     def check_agents(self) -> None:
         """Agent runs (env.name: agent), the policy endpoint, and the keys only they use."""
         cfg = self.cfg
-        agent_run = cfg.env.name == "agent"
+        agent_run = cfg.env.name in ("agent", "nemo_gym")
         server = cfg.policy.generation.http_server
         if not agent_run:
             if server.enabled:
                 self.error(
                     "policy.generation.http_server.enabled: true serves the policy to agents; "
                     f"env.name is {cfg.env.name!r} — set env.name: agent (with env.target) or "
-                    "leave the endpoint off"
+                    "nemo_gym, or leave the endpoint off"
                 )
             if cfg.env.agent != type(cfg.env.agent)():
                 self.error(
@@ -916,6 +917,66 @@ class _Checker:
                 f"env.agent.max_tokens_per_turn: {agent.max_tokens_per_turn} leaves no room for "
                 f"a prompt within policy.max_total_sequence_length ({limit}); lower it"
             )
+
+    def check_nemo_gym(self) -> None:
+        """env.name: nemo_gym: where the Gym servers come from, and what they need of the run."""
+        cfg = self.cfg
+        gym = cfg.env.nemo_gym
+        if cfg.env.name != "nemo_gym":
+            if gym != type(gym)():
+                self.error(
+                    f"env.nemo_gym: set, but env.name is {cfg.env.name!r} — these keys configure "
+                    "NeMo-Gym rollouts only; remove them or set env.name: nemo_gym"
+                )
+            return
+        if bool(gym.config_paths) == (gym.head_server is not None):
+            self.error(
+                "env.nemo_gym: give exactly one of config_paths (TandemRL starts the Gym "
+                "servers from these Gym config files) and head_server (connect to servers "
+                "started with `gym env start`)"
+            )
+        if gym.head_server is not None and gym.overrides:
+            self.error(
+                "env.nemo_gym.overrides: only used when TandemRL starts the Gym servers "
+                "(config_paths); with head_server set, pass them to `gym env start`"
+            )
+        server = cfg.policy.generation.http_server
+        if not server.enabled:
+            self.error(
+                "policy.generation.http_server.enabled: must be true with env.name: nemo_gym "
+                "(Gym's model server calls the policy over HTTP)"
+            )
+        if cfg.env.agent.client == "in_process":
+            self.error(
+                "env.agent.client: in_process cannot serve NeMo-Gym's servers (they call the "
+                "policy over HTTP); use auto or http"
+            )
+        if gym.head_server is not None and server.port == 0:
+            self.error(
+                "policy.generation.http_server.port: 0 (a free port) with env.nemo_gym."
+                "head_server — the running Gym model server calls a fixed URL; set the port it "
+                "was started with (its policy_base_url)"
+            )
+        if gym.run_timeout_s >= cfg.env.agent.episode_timeout_s:
+            self.error(
+                f"env.nemo_gym.run_timeout_s: {gym.run_timeout_s} must be below "
+                f"env.agent.episode_timeout_s ({cfg.env.agent.episode_timeout_s}), so a Gym "
+                "server that stops answering is an infrastructure failure, not a data one"
+            )
+        if cfg.data.dataset is None or cfg.data.dataset.startswith("builtin://"):
+            self.error(
+                f"data.dataset: {cfg.data.dataset!r} — env.name: nemo_gym reads a JSONL file of "
+                "NeMo-Gym rows (responses_create_params, agent_ref, task_source, ...)"
+            )
+        for key in ("prompt_key", "answer_key", "task_source_key", "agent_ref_key"):
+            if getattr(cfg.data, key) != getattr(type(cfg.data)(), key):
+                self.error(
+                    f"data.{key}: NeMo-Gym rows have fixed fields (responses_create_params, "
+                    "agent_ref.name, task_source); remove it"
+                )
+        for source, target in gym.agent_routes.items():
+            if not source or not target:
+                self.error(f"env.nemo_gym.agent_routes: empty agent name in {source!r}: {target!r}")
 
     # ------------------------------------------------------------------ prompts
 

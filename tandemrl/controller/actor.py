@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from tandemrl.agents import create_agent
+from tandemrl.agents import create_run_agent, is_agent_run
 from tandemrl.checkpoint.restore import RestorePlan
 from tandemrl.codec import TextCodec, text_codec
 from tandemrl.config.models import MasterConfig
@@ -131,12 +131,12 @@ class SingleControllerActor:
     def _build(self, metrics: MetricsLogger) -> SingleController:
         engines = [ActorProxy(handle) for handle in self.engine_handles]
         tokenizer = run_tokenizer(self.cfg, self.model_path)
-        agent_run = self.cfg.env.name == "agent"
+        agent_run = is_agent_run(self.cfg.env)
         parts = ControllerParts(
             trainer=as_trainer(self.trainer_handle),
             engines=engines,
             env=None if agent_run else create_environment(self.cfg.env),
-            agent=create_agent(self.cfg.env) if agent_run else None,
+            agent=create_run_agent(self.cfg) if agent_run else None,
             tokenizer=tokenizer,
             codec=run_text_codec(self.cfg, self.model_path, tokenizer),
             weight_sync=lambda pool: make_weight_sync(

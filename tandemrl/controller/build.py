@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
+from tandemrl.agents import is_agent_run
 from tandemrl.agents.runner import AgentRollouts
 from tandemrl.agents.setup import make_agent_rollouts
 from tandemrl.barrier import CheckpointBarrier
@@ -211,7 +212,7 @@ def build_controller(
         parts.data_plane if parts.data_plane is not None else create_data_plane(cfg.data_plane)
     )
     dataloader = parts.dataloader or PromptDataLoader.from_config(
-        cfg.data, max_num_epochs=algo.max_num_epochs
+        cfg.data, max_num_epochs=algo.max_num_epochs, gym_rows=cfg.env.name == "nemo_gym"
     )
     pool = GenerationPool(
         parts.engines,
@@ -234,6 +235,7 @@ def build_controller(
         ledger=OwnershipLedger(
             cfg.rollout_recovery,
             token_capture=cfg.token_capture.enabled,
+            # NeMo-Gym rows carry their own agent_ref (or none: then the task source decides).
             default_agent_ref=cfg.env.target if cfg.env.name == "agent" else None,
         ),
         budgets=FailureBudgets(failure),
@@ -287,7 +289,7 @@ def build_controller(
                 journal=journal,
             )
     agents = None
-    if cfg.env.name == "agent":
+    if is_agent_run(cfg.env):
         agents = _agent_rollouts(cfg, parts, pool, stop_ids)
     elif parts.env is None:
         raise ValueError(f"env.name={cfg.env.name!r} needs an environment (ControllerParts.env)")

@@ -107,11 +107,14 @@ StepHook = Callable[["SingleController", dict[str, float]], Awaitable[None]]
 
 class RunService(Protocol):
     """Something that runs beside the pumps for the whole run (the agents' policy endpoint):
-    started before the pumps, stopped after them."""
+    started before the pumps, stopped after them; ``health`` says what is wrong with it (or
+    with what it depends on, such as NeMo-Gym's servers) for the stall watchdog's report."""
 
     async def start(self) -> None: ...
 
     async def stop(self) -> None: ...
+
+    async def health(self) -> str | None: ...
 
 
 class StepSink(Protocol):

@@ -4,7 +4,8 @@ Progress is a committed group or a finished train step. When neither happened fo
 ``async_rl.stall_watchdog.timeout_s``, the watchdog reports what each pump is waiting on (the
 pumps keep ``waiting_on`` current), the oldest in-flight group and the buffer occupancy; with
 ``action: warn`` it logs that once per timeout period and lets the run go on, with
-``action: abort`` it ends the run with ``StallDetected`` carrying the same report.
+``action: abort`` it ends the run with ``StallDetected`` carrying the same report. The run's
+services add what they know is wrong (an agent's NeMo-Gym server that stopped answering).
 """
 
 from __future__ import annotations
@@ -23,13 +24,17 @@ log = logging.getLogger(__name__)
 
 # Checks per timeout period: a stall is reported at most timeout_s / CHECKS_PER_TIMEOUT late.
 CHECKS_PER_TIMEOUT = 4
+# How long the report waits for each service's health (probes of Gym servers take 2 s).
+HEALTH_TIMEOUT_S = 10.0
 
 
 class StallDetected(RuntimeError):
     """async_rl.stall_watchdog (action: abort) found no progress for timeout_s."""
 
 
-def stall_report(controller: SingleController, idle_s: float) -> str:
+def stall_report(
+    controller: SingleController, idle_s: float, services: list[str] | None = None
+) -> str:
     now = time.monotonic()
     oldest = min(controller.inflight_started_at.values(), default=None)
     oldest_text = f"oldest started {now - oldest:.1f} s ago" if oldest is not None else "none"
@@ -41,7 +46,22 @@ def stall_report(controller: SingleController, idle_s: float) -> str:
         f"buffer {controller.buffer.num_ready} ready / {controller.buffer.num_reserved} reserved; "
         f"trainer version {controller.trainer_version}; "
         f"generation workers alive {controller.generation.num_alive}"
+        + "".join(f"; {note}" for note in services or [])
     )
+
+
+async def service_health(controller: SingleController) -> list[str]:
+    """What the run's services report as wrong (each asked with a deadline: a report must
+    not stall on the thing that stalled)."""
+    notes = []
+    for service in controller.services:
+        try:
+            note = await asyncio.wait_for(service.health(), timeout=HEALTH_TIMEOUT_S)
+        except TimeoutError:
+            note = f"{type(service).__name__} did not report its health within {HEALTH_TIMEOUT_S} s"
+        if note:
+            notes.append(note)
+    return notes
 
 
 async def stall_watchdog(controller: SingleController, cfg: StallWatchdogConfig) -> None:
@@ -52,7 +72,7 @@ async def stall_watchdog(controller: SingleController, cfg: StallWatchdogConfig)
         idle = time.monotonic() - controller.last_progress_at
         if idle < cfg.timeout_s:
             continue
-        report = stall_report(controller, idle)
+        report = stall_report(controller, idle, await service_health(controller))
         if cfg.action == "abort":
             raise StallDetected(report)
         if time.monotonic() - last_warned >= cfg.timeout_s:

@@ -67,9 +67,11 @@ class PromptDataLoader:
         self._order_cache: tuple[int, list[int]] | None = None
 
     @classmethod
-    def from_config(cls, cfg: DataConfig, *, max_num_epochs: int) -> PromptDataLoader:
+    def from_config(
+        cls, cfg: DataConfig, *, max_num_epochs: int, gym_rows: bool = False
+    ) -> PromptDataLoader:
         return cls(
-            load_prompt_records(cfg),
+            load_prompt_records(cfg, gym_rows=gym_rows),
             max_num_epochs=max_num_epochs,
             seed=cfg.seed,
             shuffle=cfg.shuffle,

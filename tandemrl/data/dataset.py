@@ -201,9 +201,21 @@ def _load_source(source: str, cfg: DataConfig, *, dotpath: str, seed: int) -> li
     return load_jsonl(source, cfg, dotpath=dotpath)
 
 
-def load_prompt_records(cfg: DataConfig) -> list[PromptRecord]:
-    """The dataset ``data.dataset`` names, in its stored (unshuffled) order."""
-    return _load_source(cfg.dataset or DEFAULT_DATASET, cfg, dotpath="data.dataset", seed=cfg.seed)
+def load_prompt_records(cfg: DataConfig, *, gym_rows: bool = False) -> list[PromptRecord]:
+    """The dataset ``data.dataset`` names, in its stored (unshuffled) order; ``gym_rows``
+    (``env.name: nemo_gym``): a JSONL file of NeMo-Gym rows (``tandemrl.data.gym_rows``)."""
+    source = cfg.dataset or DEFAULT_DATASET
+    if gym_rows:
+        from tandemrl.data.gym_rows import parse_gym_jsonl
+
+        path = Path(source)
+        if source.startswith(BUILTIN_PREFIX) or not path.is_file():
+            raise DatasetError(
+                f"data.dataset={source!r}: env.name: nemo_gym reads a JSONL file of NeMo-Gym "
+                "rows (responses_create_params, agent_ref, ...); no such file"
+            )
+        return parse_gym_jsonl(path.read_text(encoding="utf-8"), str(path))
+    return _load_source(source, cfg, dotpath="data.dataset", seed=cfg.seed)
 
 
 def load_validation_records(cfg: DataConfig, *, max_samples: int | None) -> list[PromptRecord]:

@@ -73,10 +73,10 @@ def add_python_path(cfg: EnvConfig) -> list[Path]:
 def environment_class(cfg: EnvConfig) -> type[Environment]:
     """The class ``env:`` names, imported through ``env.python_path`` for a custom one (a
     check that needs no instance: ``create_environment`` builds one)."""
-    if cfg.name == "agent":
+    if cfg.name in ("agent", "nemo_gym"):
         raise ValueError(
-            "env.name is 'agent': the run plays tandemrl.agents.Agent episodes and has no "
-            "Environment (tandemrl.agents.create_agent builds the agent)"
+            f"env.name is {cfg.name!r}: the run plays agent episodes and has no Environment "
+            "(tandemrl.agents.create_run_agent builds the agent)"
         )
     if cfg.name == "custom":
         if not cfg.target:

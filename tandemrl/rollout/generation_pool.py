@@ -88,20 +88,25 @@ async def within_awake_time(
     raised.
     """
     future = asyncio.ensure_future(call)
-    if started is None:
-        started = time.monotonic()
-    frozen_at_start = await frozen_time()
-    remaining = timeout_s
-    while True:
-        done, _ = await asyncio.wait({future}, timeout=remaining)
-        if done:
-            return future.result()
-        frozen = await frozen_time() - frozen_at_start
-        awake_elapsed = time.monotonic() - started - frozen
-        if awake_elapsed >= timeout_s:
+    try:
+        if started is None:
+            started = time.monotonic()
+        frozen_at_start = await frozen_time()
+        remaining = timeout_s
+        while True:
+            done, _ = await asyncio.wait({future}, timeout=remaining)
+            if done:
+                return future.result()
+            frozen = await frozen_time() - frozen_at_start
+            awake_elapsed = time.monotonic() - started - frozen
+            if awake_elapsed >= timeout_s:
+                future.cancel()
+                raise await timed_out()
+            remaining = timeout_s - awake_elapsed
+    finally:
+        # The caller was cancelled (or failed) while it waited: so is the call it waits for.
+        if not future.done():
             future.cancel()
-            raise await timed_out()
-        remaining = timeout_s - awake_elapsed
 
 
 class GenerationPool:

@@ -246,11 +246,6 @@ def test_megatron_is_one_line(tmp_path, base):
     ("text", "dotpath", "what"),
     [
         (
-            "env:\n  should_use_nemo_gym: true\n  nemo_gym: {config_paths: [a.yaml]}\n",
-            "env.nemo_gym",
-            "NeMo-Gym",
-        ),
-        (
             "policy:\n  dtensor_cfg: {tensor_parallel_size: 2}\n",
             "policy.dtensor_cfg.tensor_parallel_size",
             "tensor parallel size > 1",
@@ -286,6 +281,20 @@ def test_a_key_that_changes_training_and_cannot_be_honoured_is_refused(
     errors = check_config(child(tmp_path, base, text)).errors
     assert len(errors) == 1, errors
     assert errors[0].startswith(f"{dotpath}:") and what in errors[0]
+
+
+def test_a_gym_config_ports_but_gym_sharded_across_nodes_is_refused(tmp_path, base):
+    # NeMo-Gym itself carries over (docs/nemo_gym.md; tests/unit/test_nemo_gym_config.py);
+    # its shards across nodes do not.
+    text = (
+        "env:\n  should_use_nemo_gym: true\n"
+        "  nemo_gym: {config_paths: [a.yaml], shards: {math: {num_nodes: 2}}}\n"
+    )
+    errors = check_config(child(tmp_path, base, text)).errors
+    assert (
+        "env.nemo_gym.shards: not supported by TandemRL: NeMo-Gym sharded across nodes; run "
+        "one Gym (no shards)"
+    ) in errors, errors
 
 
 def test_unknown_keys_and_cross_field_problems_come_in_one_pass(tmp_path, base):
