@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -185,6 +186,7 @@ class TwoNodeCluster:
                 break
             sigkill(left)
             time.sleep(0.1)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)  # the cluster's session logs
 
 
 def train_command(cluster: TwoNodeCluster, workdir: Path) -> list[str]:
