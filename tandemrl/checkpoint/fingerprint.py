@@ -57,6 +57,11 @@ BUILTIN_EXCLUDED_PATHS: tuple[str, ...] = (
     "rollout_checkpointing.**",
     "data_plane.call_timeout_s",
     "data_plane.num_storage_units",
+    "data_plane.actor_resources",
+    # A sharded step is the one-process step (tests/unit/test_sharded_training.py), and a
+    # sharded checkpoint restores at any size: the layout may change across restarts.
+    "policy.dtensor_cfg.data_parallel_size",
+    "policy.dtensor_cfg.timeout_s",
     "async_rl.stall_watchdog.**",
     "async_rl.rollout_failure.backoff_initial_s",
     "async_rl.rollout_failure.backoff_max_s",

@@ -1,7 +1,7 @@
 """The SingleController as a Ray actor: a thin wrapper that builds and runs the plain class.
 
 The driver creates the heavy workers (generation engines, policy trainer) and hands their
-handles here; this actor builds the light, pure-state parts (buffer, sampler, data plane,
+handles here (for a sharded trainer, the ``ShardedTrainer`` over its ranks' handles); this actor builds the light, pure-state parts (buffer, sampler, data plane,
 dataloader, ledger) from the config in its own process, runs both pumps in its event loop,
 and lets the driver poll finished steps (``progress``) and what each pump waits on
 (``status``) while ``run`` is in progress. It reserves no CPU: it mostly waits.
@@ -46,6 +46,7 @@ from tandemrl.metrics.logger import MetricsLogger
 from tandemrl.models import load_tokenizer, resolve_tokenizer_path, special_tokens
 from tandemrl.models.vision import load_processor
 from tandemrl.rollout.generation_pool import GenerationPool
+from tandemrl.training.trainer_group import ShardedTrainer
 
 
 def run_tokenizer(cfg: MasterConfig, model_path: str) -> Any:
@@ -115,6 +116,12 @@ def vision_codec(cfg: MasterConfig, model_path: str) -> TextCodec:
     )
 
 
+def as_trainer(handle: Any) -> Any:
+    """What the controller calls: a sharded trainer fans out to its ranks itself; one
+    worker's actor handle is wrapped so that its methods are awaited like local ones."""
+    return handle if isinstance(handle, ShardedTrainer) else ActorProxy(handle)
+
+
 def make_weight_sync(
     transport: str, trainer_handle: Any, pool: GenerationPool, *, timeout_s: float
 ) -> WeightSynchronizer:
@@ -165,7 +172,7 @@ class SingleControllerActor:
         tokenizer = run_tokenizer(self.cfg, self.model_path)
         agent_run = is_agent_run(self.cfg.env)
         parts = ControllerParts(
-            trainer=ActorProxy(self.trainer_handle),
+            trainer=as_trainer(self.trainer_handle),
             engines=engines,
             env=None if agent_run else create_environment(self.cfg.env),
             agent=create_run_agent(self.cfg) if agent_run else None,
@@ -179,7 +186,7 @@ class SingleControllerActor:
             ),
             value_trainer=None
             if self.value_trainer_handle is None
-            else ActorProxy(self.value_trainer_handle),
+            else as_trainer(self.value_trainer_handle),
             coalesce_generate_calls=True,
             metrics_sink=metrics,
             teacher_engines=[
