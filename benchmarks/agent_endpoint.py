@@ -61,7 +61,7 @@ MESSAGES = [{"role": "user", "content": "583="}]
 
 
 def service_over(engine: Any, tokenizer: Any) -> PolicyService:
-    end = int(tokenizer.convert_tokens_to_ids("<|end|>"))
+    end = int(tokenizer.eos_token_id)  # the counting chat format ends turns with <eos>
     codec = text_codec(tokenizer, stop_token_ids=(end,))
     return PolicyService(
         GenerationPool([engine]),

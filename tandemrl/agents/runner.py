@@ -44,6 +44,11 @@ from tandemrl.rollout.token_capture import OnPrefixMismatch, PrefixMismatch, mer
 
 log = logging.getLogger(__name__)
 
+# The shared client's connection pool: at most this many calls in flight at once (more wait
+# for a connection), each connection kept open while idle for CLIENT_KEEPALIVE_S.
+MAX_CONNECTIONS = 1024
+CLIENT_KEEPALIVE_S = 60.0
+
 
 def shared_openai_client(base_url: str) -> Any:
     """The one ``openai.AsyncOpenAI`` every episode's client is a copy of (``with_options``
@@ -54,13 +59,26 @@ def shared_openai_client(base_url: str) -> Any:
     call is the episode's to handle, and the runner classifies it."""
     import openai
 
+    try:  # openai 3 speaks through httpx2, openai 2 through httpx
+        import httpx2 as httpx
+    except ImportError:
+        import httpx  # type: ignore[no-redef]
+
     # The HTTP layer logs every request at INFO ("HTTP Request: POST ... 200 OK"): thousands
     # of lines a step in a run whose logger.level is INFO, each one CPU on the controller.
     for name in ("httpx", "httpx2"):
         logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger(name).level))
+    # Every episode in flight may hold a connection: keep them all open between calls (the
+    # default keeps 100 and closes and reopens the rest around every call), and drop idle
+    # ones well before the endpoint does (server.SERVER_KEEPALIVE_S).
+    limits = httpx.Limits(
+        max_connections=MAX_CONNECTIONS,
+        max_keepalive_connections=MAX_CONNECTIONS,
+        keepalive_expiry=CLIENT_KEEPALIVE_S,
+    )
     http_client = None
     try:
-        http_client = openai.DefaultAioHttpClient()
+        http_client = openai.DefaultAioHttpClient(limits=limits)
     except RuntimeError:  # aiohttp is missing: the default httpx transport
         http_client = None
     # No read deadline here: a call's deadline is env.agent.call_timeout_s at the server and

@@ -66,6 +66,10 @@ def _http_parser() -> str:
 BODY_KEY_FIELD = "tandemrl_episode_key"
 
 
+# Seconds an idle HTTP connection stays open at the endpoint (see PolicyEndpoint.start).
+SERVER_KEEPALIVE_S = 300
+
+
 def bearer_key(authorization: str | None) -> str | None:
     """The token of an ``Authorization: Bearer <token>`` header (None when absent)."""
     if not authorization:
@@ -226,6 +230,12 @@ class PolicyEndpoint:
             log_level="warning",
             access_log=False,
             timeout_graceful_shutdown=2,
+            # Idle connections stay open well past the client's own keep-alive expiry
+            # (runner.CLIENT_KEEPALIVE_S): were the two equal (uvicorn's and httpx's default,
+            # 5 s), a client would reuse a connection the server is closing that instant and
+            # the call fail as "Request timed out" (seen whenever rollouts wait ~5 s for the
+            # trainer: the pool's connections all go idle together).
+            timeout_keep_alive=SERVER_KEEPALIVE_S,
         )
         self._server = EmbeddedServer(config)
         self._task = asyncio.get_running_loop().create_task(

@@ -147,16 +147,20 @@ QWEN2_VL = ChatFormat(
     ),
 )
 
-# The counting game's format (tiny://qwen2-counting-chat): one special token per role marker
-# and one that ends a turn, nothing else, so that a two-turn episode of the counting task is
-# about twenty tokens and the default tiny model learns it on a CPU in minutes.
+# The counting game's format (tiny://qwen2-counting-chat): one special token per role marker,
+# and every turn ends with the tokenizer's own <eos> (as Mistral's assistant turns do), so a
+# two-turn episode of the counting task is about a dozen tokens and the default tiny model
+# learns it on a CPU in minutes. One token, and only one, ends a turn: the generation config
+# lists <eos> alone, so a turn the model ends itself re-renders as exactly the ids it sampled
+# (with a second stop token that the template never writes, every turn ended with it breaks
+# the prefix and splits the episode: docs/agents.md).
 COUNTING_CHAT = ChatFormat(
     name="counting-chat",
-    special_tokens=("<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|end|>"),
-    end_of_turn="<|end|>",
+    special_tokens=("<|system|>", "<|user|>", "<|assistant|>", "<|tool|>"),
+    end_of_turn="<eos>",
     template=(
         "{%- for message in messages %}"
-        "{{- '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
+        "{{- '<|' + message['role'] + '|>' + message['content'] + eos_token }}"
         "{%- endfor %}"
         "{%- if add_generation_prompt %}{{- '<|assistant|>' }}{%- endif %}"
     ),

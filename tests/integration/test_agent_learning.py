@@ -13,7 +13,7 @@ from tandemrl.controller.run import run_training
 
 pytestmark = pytest.mark.integration
 
-STEPS = 100
+STEPS = 70
 
 
 def test_reward_rises_on_the_two_turn_counting_game(ray_session, tmp_path: Path):
@@ -32,13 +32,15 @@ def test_reward_rises_on_the_two_turn_counting_game(ray_session, tmp_path: Path)
     assert run_training(cfg) == 0
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
-    first = sum(row["reward_mean"] for row in rows[:20]) / 20
-    last = sum(row["reward_mean"] for row in rows[-20:]) / 20
-    # Measured at load 30-45 on the 2-core machine: 0.049 over the first 20 steps, 0.075-0.08
-    # over steps 81-100 (docs/benchmarks.md); per-step rewards scatter by about 0.012, so a
-    # 20-step mean by about 0.003.
-    assert last > first + 0.015 and last > 1.3 * first, (first, last)
-    # Both turns were played and trained (the reply between them masked), every step.
+    first = sum(row["reward_mean"] for row in rows[:10]) / 10
+    last = sum(row["reward_mean"] for row in rows[-10:]) / 10
+    # Measured (docs/benchmarks.md): about 0.05 over the first 10 steps, 0.35 over steps
+    # 61-70; a 10-step mean scatters by about 0.02.
+    assert last > first + 0.15, (first, last)
+    # Both turns were played and trained (the reply between them masked), every step, and
+    # both turns learned: the second is scored on the environment's own digit.
     assert all(row["agent/turns_mean"] == 2.0 for row in rows)
+    for turn in ("env/turn1_reward", "env/turn2_reward"):
+        assert sum(row[turn] for row in rows[-10:]) / 10 > first + 0.1, turn
     assert all(0.0 <= row["agent/prefix_split_frac"] <= 1.0 for row in rows)
     assert all(row["staleness_max"] <= 1 for row in rows)

@@ -39,7 +39,8 @@ def chat_tokenizer(template: str = COUNTING_CHAT.template, extra: tuple[str, ...
 
 
 def end_id(tokenizer: Any) -> int:
-    return int(tokenizer.convert_tokens_to_ids("<|end|>"))
+    """The token that ends a turn of the counting chat format: the tokenizer's <eos>."""
+    return int(tokenizer.eos_token_id)
 
 
 def codec_for(tokenizer: Any) -> TextCodec:
@@ -148,10 +149,12 @@ async def started_endpoint(service: PolicyService, **kwargs: Any) -> PolicyEndpo
 
 
 def small_agent_config(*overrides: str, steps: int = 2) -> MasterConfig:
-    """The exemplar shrunk to 2 prompts x 2 episodes a step."""
+    """The exemplar shrunk to 2 prompts x 2 episodes a step, with room for the three-digit
+    answers (and the end of the turn) of ``CountingGameAgent()`` and ``counting_answers``."""
     return load_config(
         EXEMPLAR,
         (
+            "policy.generation.max_new_tokens=4",
             "grpo.num_prompts_per_step=2",
             "grpo.num_generations_per_prompt=2",
             "policy.train_global_batch_size=4",

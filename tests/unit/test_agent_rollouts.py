@@ -136,8 +136,8 @@ def test_a_broken_prefix_splits_the_episode_into_rows_of_the_sampled_ids(how):
             template=(
                 "{%- for m in messages %}"
                 "{%- if m['role'] == 'assistant' and m['content'].startswith('<think>') %}"
-                "{{- '<|assistant|><|end|>' }}"
-                "{%- else %}{{- '<|' + m['role'] + '|>' + m['content'] + '<|end|>' }}{%- endif %}"
+                "{{- '<|assistant|>' + eos_token }}"
+                "{%- else %}{{- '<|' + m['role'] + '|>' + m['content'] + eos_token }}{%- endif %}"
                 "{%- endfor %}{%- if add_generation_prompt %}{{- '<|assistant|>' }}{%- endif %}"
             )
         )
