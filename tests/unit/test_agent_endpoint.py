@@ -68,9 +68,7 @@ def test_chat_turns_over_http_carry_and_capture_the_exact_sampled_tokens():
         assert extra["generation_log_probs"] == pytest.approx(result.logprobs)
         assert reply.choices[0].finish_reason == "stop"
     # The prompt is the chat template's rendering, and the sampled stop token is kept.
-    assert (
-        tokenizer.decode(engine.results[0].prompt_token_ids) == "<|user|>583=<eos><|assistant|>"
-    )
+    assert tokenizer.decode(engine.results[0].prompt_token_ids) == "<|user|>583=<eos><|assistant|>"
     assert engine.results[0].token_ids[-1] == end_id(tokenizer)
     # OpenAI's logprobs block and vLLM's token-id fields agree with the triple.
     assert [entry.logprob for entry in first.choices[0].logprobs.content] == pytest.approx(
