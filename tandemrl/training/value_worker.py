@@ -147,6 +147,7 @@ class ValueWorker(SplitStepWorkerAPI):
         normalizer = self._step.declare(
             step_num_sequences=step_num_sequences,
             step_num_tokens=step_num_tokens,
+            num_sequences=int(batch["input_ids"].shape[0]),
         )
         self.backbone.train()
         chunk = StepTracker()
@@ -175,12 +176,12 @@ class ValueWorker(SplitStepWorkerAPI):
             self.scheduler.step()
         except Exception:
             self.optimizer.zero_grad(set_to_none=True)
-            self._step.active = False
+            self._step.end()
             raise
         self.optimizer.zero_grad(set_to_none=True)
         self.optimizer_steps += 1
         metrics = self._step.summary(scale)
-        self._step.active = False
+        self._step.end()
         metrics.update(
             {"grad_norm": grad_norm, "lr": lr, "optimizer_steps": float(self.optimizer_steps)}
         )
