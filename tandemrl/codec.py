@@ -29,10 +29,21 @@ class TextCodec:
     # Every id that ends a completion besides eos_token_id: the model folder's EOS ids and the
     # configured stops (tandemrl.models.special_tokens). Each request stops on all of them.
     stop_token_ids: tuple[int, ...] = ()
+    # A vision-language run: the prompt's token ids and its processed images, both from the
+    # model's processor (tandemrl.data.vision_prompts); None for text.
+    encode_with_images: Callable[[PromptItem], tuple[list[int], dict[str, Any]]] | None = None
 
     def encode_prompt(self, item: PromptItem) -> list[int]:
         """The prompt token ids of ``item``'s generations."""
+        if self.encode_with_images is not None:
+            return self.encode_with_images(item)[0]
         return self.encode(item.prompt if self.render_prompt is None else self.render_prompt(item))
+
+    def encode_prompt_inputs(self, item: PromptItem) -> tuple[list[int], dict[str, Any] | None]:
+        """(prompt token ids, processed images or None) of ``item``'s generations."""
+        if self.encode_with_images is not None:
+            return self.encode_with_images(item)
+        return self.encode_prompt(item), None
 
 
 def text_codec(
@@ -41,6 +52,7 @@ def text_codec(
     render_prompt: Callable[[PromptItem], str] | None = None,
     stop_token_ids: tuple[int, ...] = (),
     pad_token_id: int | None = None,
+    encode_with_images: Callable[[PromptItem], tuple[list[int], dict[str, Any]]] | None = None,
 ) -> TextCodec:
     """Prompt text -> ids and completion ids -> text for the rollout manager.
 
@@ -52,7 +64,11 @@ def text_codec(
     """
     if pad_token_id is None:
         pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    extras = {"render_prompt": render_prompt, "stop_token_ids": tuple(stop_token_ids)}
+    extras = {
+        "render_prompt": render_prompt,
+        "stop_token_ids": tuple(stop_token_ids),
+        "encode_with_images": encode_with_images,
+    }
     if _backend_is_exact(tokenizer):
         backend = tokenizer.backend_tokenizer
         return TextCodec(

@@ -45,6 +45,7 @@ def runtime_problems(cfg: MasterConfig) -> list[str]:
         )
     if cfg.value is not None and cfg.value.model_name is not None:
         problems += _model_problems("value.model_name", cfg.value.model_name, needs_tokenizer=False)
+    problems += _vision_model_problems(cfg)
     problems += _dataset_problems(cfg)
     problems += _teacher_problems(cfg)
     problems += _import_problems(cfg)
@@ -127,12 +128,28 @@ def _model_problems(
     return problems
 
 
+def _vision_model_problems(cfg: MasterConfig) -> list[str]:
+    """A model folder that does not fit ``policy.is_vlm`` (a tiny preset is checked by the
+    config rules, from its definition)."""
+    name = cfg.policy.model_name
+    path = Path(name).expanduser()
+    if name.startswith("tiny://") or not (path / "config.json").is_file():
+        return []  # a missing folder is reported by _model_problems
+    from tandemrl.models.vision import VisionModelError, vlm_folder_problem
+
+    try:
+        problem = vlm_folder_problem(path, is_vlm=cfg.policy.is_vlm, name=name)
+    except VisionModelError as error:
+        return [str(error)]
+    return [] if problem is None else [problem]
+
+
 def _dataset_problems(cfg: MasterConfig) -> list[str]:
     from tandemrl.data.dataset import DatasetError, load_prompt_records, load_validation_records
 
     problems = []
     try:
-        load_prompt_records(cfg.data, gym_rows=cfg.env.name == "nemo_gym")
+        load_prompt_records(cfg.data, gym_rows=cfg.env.name == "nemo_gym", images=cfg.policy.is_vlm)
     except DatasetError as error:
         problems.append(str(error))
     except (OSError, UnicodeDecodeError) as error:

@@ -1,7 +1,9 @@
 """Records that cross module boundaries: prompts, generation requests and results, row metadata.
 
-Plain dataclasses (picklable, cheap to send between Ray processes). Tensors never live here:
-rows of tensors live in the data plane, keyed by ``sample_id``.
+Plain dataclasses (picklable, cheap to send between Ray processes). Tensors never live here,
+with one exception: a vision-language prompt's processed images travel to the engine with its
+generation requests (``GenerationRequest.image_inputs``, one dict shared by a group's
+requests). Rows of tensors live in the data plane, keyed by ``sample_id``.
 
 The records the rollout builds once per prompt or per generated sequence are slotted and not
 frozen: a frozen dataclass sets every field through ``object.__setattr__``, which made
@@ -39,6 +41,9 @@ class GenerationRequest:
     top_p: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    # A vision-language prompt's processor outputs besides the text (pixel_values,
+    # image_grid_thw: torch tensors); None for a text prompt.
+    image_inputs: dict[str, Any] | None = None
 
 
 FinishReason = Literal["stop", "length", "aborted"]

@@ -57,6 +57,11 @@ BUILTIN_EXCLUDED_PATHS: tuple[str, ...] = (
     "rollout_checkpointing.**",
     "data_plane.call_timeout_s",
     "data_plane.num_storage_units",
+    "data_plane.actor_resources",
+    # A sharded step is the one-process step (tests/unit/test_sharded_training.py), and a
+    # sharded checkpoint restores at any size: the layout may change across restarts.
+    "policy.dtensor_cfg.data_parallel_size",
+    "policy.dtensor_cfg.timeout_s",
     "async_rl.stall_watchdog.**",
     "async_rl.rollout_failure.backoff_initial_s",
     "async_rl.rollout_failure.backoff_max_s",
@@ -148,6 +153,7 @@ BUILTIN_EXCLUDED_PATHS: tuple[str, ...] = (
 # at a restart. (Not read at run time: the identity is everything not operational.)
 ROLLOUT_SEMANTIC_PATHS: tuple[str, ...] = (
     "policy.model_name",
+    "policy.is_vlm",
     "policy.tokenizer.**",
     "policy.train_global_batch_size",
     "policy.max_total_sequence_length",
@@ -253,6 +259,8 @@ ROLLOUT_SEMANTIC_PATHS: tuple[str, ...] = (
     "data.prompt_format",
     "data.system_prompt",
     "data.messages_key",
+    "data.image_key",
+    "data.max_image_pixels",
     "env.name",
     "env.target",
     "env.kwargs",

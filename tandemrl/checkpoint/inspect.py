@@ -6,7 +6,9 @@ the committed groups it makes selectable again, the unfinished groups it redispa
 recovery granularity stored for each and the siblings already staged), and why every other
 bundle is skipped (damaged — with the reason —, older, or written under a different config —
 with the changed dotpaths), and what the commit log adds on top of the chosen bundle (records,
-groups it restores or reopens, torn tails ignored), the validation passes it re-opens, and —
+groups it restores or reopens, torn tails ignored), how each model folder of the chosen
+trainer checkpoint is laid out (one process's files, or a sharded trainer's DCP shards: at how
+many ranks, which files, any missing), the validation passes it re-opens, and —
 with ``checkpointing.metric_name`` — which trainer checkpoint is the best and why (scores from
 the run journal's reported passes, ``tandemrl.checkpoint.best``). With a config, it also
 compares the config identities the chosen rollout state was generated under with the given
@@ -30,7 +32,9 @@ from tandemrl.checkpoint.journal import read_journal, reported_validations
 from tandemrl.checkpoint.layout import (
     JOURNAL,
     MANIFEST,
+    POLICY_DIR,
     SNAPSHOTS_DIR,
+    VALUE_DIR,
     CheckpointCorrupt,
     bootstrap_dir,
     list_step_dirs,
@@ -48,6 +52,7 @@ from tandemrl.checkpoint.restore import (
 from tandemrl.checkpoint.rollout_state import read_rollout_state, unfinished_groups
 from tandemrl.config.models import MasterConfig
 from tandemrl.dataplane.atomic import is_temporary_name
+from tandemrl.training.worker_common import SHARDED_LAYOUT, WORKER_STATE_FILE
 
 EXIT_OK = 0
 EXIT_REFUSED = 1  # a restart would refuse this directory (or it cannot be read)
@@ -154,6 +159,35 @@ def _commit_log_summary(
     return summary
 
 
+def _model_layouts(trainer_dir: Path) -> dict[str, Any]:
+    """How each model folder of a trainer checkpoint is laid out: one process's files, or a
+    sharded trainer's DCP folder (its ranks, shard files, and any the metadata lists but the
+    folder lacks)."""
+    layouts: dict[str, Any] = {}
+    for folder in (POLICY_DIR, VALUE_DIR):
+        directory = trainer_dir / folder
+        state_file = directory / WORKER_STATE_FILE
+        if not state_file.is_file():
+            continue
+        try:
+            state = json.loads(state_file.read_text())
+        except (OSError, ValueError) as exc:
+            layouts[folder] = {"error": f"unreadable {state_file}: {exc}"}
+            continue
+        info: dict[str, Any] = {
+            "layout": state.get("layout", "single"),
+            "data_parallel_size": state.get("data_parallel_size", 1),
+            "optimizer_steps": state.get("optimizer_steps"),
+            "has_optimizer": state.get("has_optimizer"),
+        }
+        if info["layout"] == SHARDED_LAYOUT:
+            from tandemrl.training.fsdp import describe_sharded_folder
+
+            info.update(describe_sharded_folder(directory))
+        layouts[folder] = info
+    return layouts
+
+
 def _trainer_version(plan: RestorePlan) -> int:
     if plan.rollout_dir is None:
         return 0
@@ -223,6 +257,7 @@ def describe_checkpoint_dir(path: str | Path, cfg: MasterConfig | None = None) -
         "journal": str(checkpoint_dir / JOURNAL) if (checkpoint_dir / JOURNAL).is_file() else None,
         "resume": None,
         "commit_log": None,
+        "models": {},
         "config_change": None,
         "best_checkpoint": None,
     }
@@ -244,6 +279,8 @@ def describe_checkpoint_dir(path: str | Path, cfg: MasterConfig | None = None) -
         trainer_checkpoint=None if plan.trainer_dir is None else str(plan.trainer_dir),
         rollout_state=str(plan.rollout_dir),
     )
+    if plan.trainer_dir is not None:
+        result["models"] = _model_layouts(plan.trainer_dir)
     try:
         result["trainer_version"] = _trainer_version(plan)
         assert plan.rollout_dir is not None
@@ -338,6 +375,8 @@ def render_text(info: dict[str, Any]) -> str:
                 lines.append(f"  with on_config_change={policy} it {outcome}")
     if info["error"]:
         lines.append(f"ERROR: the chosen rollout state cannot be read:\n  {info['error']}")
+    for folder, layout in info.get("models", {}).items():
+        lines.append(_render_layout(folder, layout))
     resume = info["resume"]
     if resume is not None:
         loader = resume["dataloader"]
@@ -410,6 +449,28 @@ def render_text(info: dict[str, Any]) -> str:
     for leftover in info["ignored_temporaries"]:
         lines.append(f"ignored (temporary or interrupted, never selected): {leftover}")
     return "\n".join(lines)
+
+
+def _render_layout(folder: str, layout: dict[str, Any]) -> str:
+    if "error" in layout and "layout" not in layout:
+        return f"{folder}/: ERROR {layout['error']}"
+    steps = f"{layout['optimizer_steps']} optimizer step(s)"
+    optimizer = "with" if layout.get("has_optimizer") else "without"
+    if layout["layout"] != SHARDED_LAYOUT:
+        return (
+            f"{folder}/: one process's folder (safetensors), {steps}, {optimizer} optimizer state"
+        )
+    line = (
+        f"{folder}/: sharded at {layout['data_parallel_size']} rank(s) (DCP in "
+        f"{layout['dcp_dir']}: {len(layout['shard_files'])} shard file(s) "
+        f"{' '.join(layout['shard_files'])}; RNG of rank(s) {layout['rng_ranks']}), {steps}, "
+        f"{optimizer} optimizer state; restores at any policy.dtensor_cfg.data_parallel_size"
+    )
+    if layout.get("error"):
+        line += f"\n  ERROR {layout['error']}"
+    if layout.get("missing"):
+        line += f"\n  MISSING (a restore refuses this folder): {' '.join(layout['missing'])}"
+    return line
 
 
 def inspect_command(

@@ -156,6 +156,12 @@ class GenerationConfig(Strict):
 class DTensorConfig(Strict):
     enabled: bool = True
     activation_checkpointing: bool = False
+    # Ranks of the policy trainer (and of the PPO critic): each a process of its own that
+    # shards the model with FSDP2 (tandemrl/training/trainer_group.py); 1 trains in one
+    # process. None: every GPU the placement gives the trainer on a GPU run, 1 on CPU.
+    data_parallel_size: int | None = Field(None, ge=1)
+    # Longest wait of a trainer rank on the others: the rendezvous and every collective.
+    timeout_s: float = Field(600.0, gt=0.0)
 
 
 class MegatronConfig(Strict):
@@ -209,6 +215,10 @@ class PolicyConfig(Strict):
     # supported model), "on": always (CPU uses a reference attention; an unsupported model
     # is refused), "off": padded micro-batches.
     sequence_packing: Switch = "auto"
+    # A vision-language model (policy.model_name an image-text-to-text folder or
+    # tiny://qwen2-vl): prompts carry images (data.image_key), processed by the model's own
+    # processor; docs/vlm.md.
+    is_vlm: bool = False
 
 
 # --------------------------------------------------------------------------- algorithms
@@ -525,6 +535,9 @@ class DataPlaneConfig(Strict):
     # simple (TransferQueue) only:
     num_storage_units: int = Field(1, ge=1)
     call_timeout_s: float = Field(60.0, gt=0.0)
+    # Custom Ray resources each TransferQueue actor asks for (pins them to the nodes that
+    # offer them, e.g. {"storage_node": 1}).
+    actor_resources: dict[str, float] = {}
 
 
 class CheckpointingConfig(Strict):
@@ -607,6 +620,11 @@ class DataConfig(Strict):
     # chat only: the JSONL field that may hold a whole conversation, a list of
     # {"role": ..., "content": ...}; a row with it needs no prompt_key field.
     messages_key: str = "messages"
+    # policy.is_vlm only: the field holding a row's image(s) (a path, a data URI,
+    # {"bytes": base64} or a nested pixel array; tandemrl/data/images.py), and the largest
+    # image (width x height) a prompt may bring: a bigger one is a data failure of its prompt.
+    image_key: str = "image"
+    max_image_pixels: int = Field(4096 * 4096, ge=1)
     # Held-out prompts for validation passes: a source like `dataset` (a JSONL file read with
     # the same *_key mapping, or a builtin://), never trained on. None: no validation data.
     validation: str | None = None
@@ -692,12 +710,23 @@ class EnvConfig(Strict):
     nemo_gym: NemoGymConfig = NemoGymConfig()
 
 
+class ActorResourcesConfig(Strict):
+    """Custom Ray resources (``ray start --resources``) each process of a role asks for, to
+    pin roles to the nodes that offer them; CPUs and GPUs come from the placement."""
+
+    controller: dict[str, float] = {}
+    generation: dict[str, float] = {}
+    # Each trainer rank (its placement-group bundle holds the PPO critic's rank beside it).
+    trainer: dict[str, float] = {}
+
+
 class ClusterConfig(Strict):
     # None: start an embedded local Ray instance; otherwise the address of an existing cluster.
     address: str | None = None
     num_cpus: int | None = Field(None, ge=1)
     num_gpus: int | None = Field(None, ge=0)
     namespace: str = "tandemrl"
+    actor_resources: ActorResourcesConfig = ActorResourcesConfig()
     # Whether the run's actors report their calls to Ray's task-event store in the GCS (what
     # `ray list tasks` and the dashboard's task view read). Each call is a record there, kept
     # until the store's cap (docs/long_runs.md); off, a long run's GCS stays flat.

@@ -17,6 +17,7 @@ from typing import Any
 
 from tandemrl.config.errors import ConfigError
 from tandemrl.config.models import CustomSamplerConfig, MasterConfig, TorchGenerationConfig
+from tandemrl.config.vision_rules import vision_problems
 from tandemrl.config.weight_sync import facts_from_config, weight_sync_problems
 
 # Data-plane backends whose rows can be saved to and loaded from a checkpoint directory.
@@ -58,6 +59,8 @@ class _Checker:
     def run(self) -> None:
         self.check_custom_sampler_import()
         self.check_backends()
+        self.check_sharded_trainer()
+        self.check_actor_resources()
         self.check_data_plane()
         algo_name = self.check_algorithm_blocks()
         if algo_name is not None:
@@ -72,6 +75,7 @@ class _Checker:
         self.check_agents()
         self.check_nemo_gym()
         self.check_prompt_format()
+        self.errors.extend(vision_problems(self.cfg))
 
     # ------------------------------------------------------------------ sampler class
 
@@ -182,6 +186,53 @@ class _Checker:
                 "the static decode path launches several steps, and "
                 "policy.generation.torch.cuda_graphs=off turns it off; set steps_per_launch: 1 "
                 "or cuda_graphs: auto"
+            )
+
+    def check_sharded_trainer(self) -> None:
+        """What a trainer of several ranks (FSDP2) cannot do yet; each names the key."""
+        policy = self.cfg.policy
+        ranks = policy.dtensor_cfg.data_parallel_size
+        if ranks is None or ranks == 1:
+            return
+        where = f"with policy.dtensor_cfg.data_parallel_size={ranks}"
+        if policy.generation.colocated.enabled:
+            self.error(
+                f"policy.generation.colocated.enabled: true is not supported {where} (the "
+                "ranks' GPUs cannot all host the generation engine); set it to false, or "
+                "data_parallel_size: 1"
+            )
+        if policy.compile_layers:
+            self.error(
+                f"policy.compile_layers: true is not supported {where} (FSDP2 wraps each "
+                "layer itself); set it to false, or data_parallel_size: 1"
+            )
+        if policy.is_vlm:
+            self.error(
+                f"policy.is_vlm: true is not supported {where} (the ranks shard the decoder "
+                "layers, not a vision tower); set data_parallel_size: 1"
+            )
+
+    def check_actor_resources(self) -> None:
+        roles = self.cfg.cluster.actor_resources.model_dump()
+        roles["data_plane"] = self.cfg.data_plane.actor_resources
+        for role, resources in roles.items():
+            key = (
+                "data_plane.actor_resources"
+                if role == "data_plane"
+                else f"cluster.actor_resources.{role}"
+            )
+            for name, amount in resources.items():
+                if name in ("CPU", "GPU", "memory", "object_store_memory"):
+                    self.error(
+                        f"{key}.{name}: CPUs, GPUs and memory come from the placement "
+                        "(tandemrl/controller/setup.py); list only custom resources here"
+                    )
+                elif amount <= 0:
+                    self.error(f"{key}.{name}: {amount} must be positive")
+        if self.cfg.data_plane.actor_resources and self.cfg.data_plane.backend != "simple":
+            self.error(
+                f"data_plane.actor_resources: applies to backend simple only (got "
+                f"{self.cfg.data_plane.backend!r}); remove it or use backend simple"
             )
 
     def check_data_plane(self) -> None:

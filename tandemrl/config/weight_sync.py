@@ -10,7 +10,8 @@
 
 ``auto``: ``cuda_ipc`` on CUDA when colocated, ``nccl`` on CUDA when every worker has a GPU of
 its own, ``object_store`` otherwise (CPU runs, workers sharing a GPU that is not the
-trainer's). The flat-buffer transports (``cuda_ipc``, ``nccl``) exist for the torch engine
+trainer's, a sharded trainer: ``policy.dtensor_cfg.data_parallel_size`` > 1, whose rank 0
+gathers the full weights one tensor at a time). The flat-buffer transports (``cuda_ipc``, ``nccl``) exist for the torch engine
 only.
 
 The rules are checked twice: by ``tandemrl validate`` from the config alone (``facts_from_config``;
@@ -37,11 +38,14 @@ class SyncFacts:
     colocated: bool
     gpus_per_worker: float  # generation GPUs ÷ generation workers (non-colocated)
     one_node: bool
+    trainer_ranks: int = 1  # policy.dtensor_cfg.data_parallel_size (as settled at launch)
 
 
-def facts_from_config(cfg: MasterConfig, *, cluster_gpus: float | None = None) -> SyncFacts:
+def facts_from_config(
+    cfg: MasterConfig, *, cluster_gpus: float | None = None, trainer_ranks: int | None = None
+) -> SyncFacts:
     """The facts the config states; ``cluster_gpus`` (the Ray cluster's, at launch) settles
-    whether CUDA is used."""
+    whether CUDA is used, ``trainer_ranks`` how many ranks the trainer has."""
     generation = cfg.policy.generation
     resources = generation.colocated.resources
     if cfg.policy.device == "cpu":
@@ -59,6 +63,7 @@ def facts_from_config(cfg: MasterConfig, *, cluster_gpus: float | None = None) -
         colocated=generation.colocated.enabled,
         gpus_per_worker=resources.gpus_per_node / generation.num_workers,
         one_node=resources.num_nodes == 1,
+        trainer_ranks=trainer_ranks or cfg.policy.dtensor_cfg.data_parallel_size or 1,
     )
 
 
@@ -104,6 +109,13 @@ def weight_sync_problems(cfg: MasterConfig, facts: SyncFacts) -> list[str]:
                 f"policy.generation.num_workers={generation.num_workers}; use object_store, or "
                 "one worker per generation GPU"
             )
+    if choice in ("cuda_ipc", "nccl") and facts.trainer_ranks > 1:
+        problems.append(
+            f"{KEY}: {choice!r} sends the weights from one trainer process, but the trainer has "
+            f"{facts.trainer_ranks} ranks (policy.dtensor_cfg.data_parallel_size); use "
+            "object_store or auto (rank 0 gathers the full weights one tensor at a time into "
+            "Ray's object store)"
+        )
     if choice == "object_store" and "weight_sync_timeout_s" in generation.model_fields_set:
         problems.append(
             "policy.generation.weight_sync_timeout_s: applies to cuda_ipc and nccl only; drop it "
@@ -123,7 +135,7 @@ def resolve_weight_sync(cfg: MasterConfig, facts: SyncFacts) -> str:
     choice = cfg.policy.generation.weight_sync
     if choice != "auto":
         return choice
-    if not facts.uses_cuda or cfg.policy.generation.backend != "torch":
+    if not facts.uses_cuda or cfg.policy.generation.backend != "torch" or facts.trainer_ranks > 1:
         return "object_store"
     if facts.colocated:
         return "cuda_ipc" if facts.one_node else "object_store"

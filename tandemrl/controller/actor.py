@@ -1,7 +1,7 @@
 """The SingleController as a Ray actor: a thin wrapper that builds and runs the plain class.
 
 The driver creates the heavy workers (generation engines, policy trainer) and hands their
-handles here; this actor builds the light, pure-state parts (buffer, sampler, data plane,
+handles here (for a sharded trainer, the ``ShardedTrainer`` over its ranks' handles); this actor builds the light, pure-state parts (buffer, sampler, data plane,
 dataloader, ledger) from the config in its own process, runs both pumps in its event loop,
 and lets the driver poll finished steps (``progress``) and what each pump waits on
 (``status``) while ``run`` is in progress. It reserves no CPU: it mostly waits.
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,21 +40,30 @@ from tandemrl.controller.weight_sync import (
     WeightSynchronizer,
 )
 from tandemrl.data.prompt_format import PromptRenderer
+from tandemrl.data.vision_prompts import VisionPromptEncoder
 from tandemrl.envs import create_environment
 from tandemrl.metrics.logger import MetricsLogger
 from tandemrl.models import load_tokenizer, resolve_tokenizer_path, special_tokens
+from tandemrl.models.vision import load_processor
 from tandemrl.rollout.generation_pool import GenerationPool
+from tandemrl.training.trainer_group import ShardedTrainer
 
 
 def run_tokenizer(cfg: MasterConfig, model_path: str) -> Any:
-    """The run's tokenizer: ``policy.tokenizer.name``, else the model folder's."""
+    """The run's tokenizer: ``policy.tokenizer.name``, else the model folder's (a
+    vision-language run: its processor's)."""
+    if cfg.policy.is_vlm:
+        return load_processor(model_path).tokenizer
     return load_tokenizer(resolve_tokenizer_path(cfg.policy.tokenizer.name, model_path))
 
 
 def run_text_codec(cfg: MasterConfig, model_path: str, tokenizer: Any = None) -> TextCodec:
     """The run's codec: its tokenizer (``run_tokenizer``, unless given), prompts rendered in
     ``data.prompt_format``, and every stop id of the model folder and of ``policy.generation``
-    (``tandemrl.models.special_tokens``)."""
+    (``tandemrl.models.special_tokens``). With ``policy.is_vlm`` the model folder's processor
+    encodes each prompt with its images, and its tokenizer decodes."""
+    if cfg.policy.is_vlm:
+        return vision_codec(cfg, model_path)
     if tokenizer is None:
         tokenizer = run_tokenizer(cfg, model_path)
     data, generation = cfg.data, cfg.policy.generation
@@ -74,6 +84,42 @@ def run_text_codec(cfg: MasterConfig, model_path: str, tokenizer: Any = None) ->
         ),
         pad_token_id=special_tokens.pad_token_id(tokenizer, model_path),
     )
+
+
+def vision_codec(cfg: MasterConfig, model_path: str) -> TextCodec:
+    """``run_text_codec`` of a vision-language run (``tandemrl.data.vision_prompts``)."""
+    data, generation = cfg.data, cfg.policy.generation
+    processor = load_processor(model_path)
+    tokenizer = processor.tokenizer
+    dataset = data.dataset
+    # Relative image paths are read from the dataset file's folder.
+    base_dir = Path(dataset).expanduser().parent if dataset and "://" not in dataset else None
+    encoder = VisionPromptEncoder(
+        processor,
+        image_key=data.image_key,
+        max_image_pixels=data.max_image_pixels,
+        base_dir=base_dir,
+        prompt_format=data.prompt_format,
+        system_prompt=data.system_prompt,
+        messages_key=data.messages_key,
+    )
+    return text_codec(
+        tokenizer,
+        stop_token_ids=special_tokens.stop_token_ids(
+            tokenizer,
+            model_path,
+            extra_ids=generation.stop_token_ids,
+            stop_strings=generation.stop_strings,
+        ),
+        pad_token_id=special_tokens.pad_token_id(tokenizer, model_path),
+        encode_with_images=encoder.encode,
+    )
+
+
+def as_trainer(handle: Any) -> Any:
+    """What the controller calls: a sharded trainer fans out to its ranks itself; one
+    worker's actor handle is wrapped so that its methods are awaited like local ones."""
+    return handle if isinstance(handle, ShardedTrainer) else ActorProxy(handle)
 
 
 def make_weight_sync(
@@ -126,7 +172,7 @@ class SingleControllerActor:
         tokenizer = run_tokenizer(self.cfg, self.model_path)
         agent_run = is_agent_run(self.cfg.env)
         parts = ControllerParts(
-            trainer=ActorProxy(self.trainer_handle),
+            trainer=as_trainer(self.trainer_handle),
             engines=engines,
             env=None if agent_run else create_environment(self.cfg.env),
             agent=create_run_agent(self.cfg) if agent_run else None,
@@ -140,7 +186,7 @@ class SingleControllerActor:
             ),
             value_trainer=None
             if self.value_trainer_handle is None
-            else ActorProxy(self.value_trainer_handle),
+            else as_trainer(self.value_trainer_handle),
             coalesce_generate_calls=True,
             metrics_sink=metrics,
             teacher_engines=[

@@ -212,7 +212,10 @@ def build_controller(
         parts.data_plane if parts.data_plane is not None else create_data_plane(cfg.data_plane)
     )
     dataloader = parts.dataloader or PromptDataLoader.from_config(
-        cfg.data, max_num_epochs=algo.max_num_epochs, gym_rows=cfg.env.name == "nemo_gym"
+        cfg.data,
+        max_num_epochs=algo.max_num_epochs,
+        gym_rows=cfg.env.name == "nemo_gym",
+        images=cfg.policy.is_vlm,
     )
     pool = GenerationPool(
         parts.engines,

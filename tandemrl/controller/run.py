@@ -325,12 +325,10 @@ def _drive(cfg: MasterConfig, launched: Any, signals: StopSignals) -> int:
 def _save_final_model(cfg: MasterConfig, launched: Any) -> None:
     if not cfg.logger.save_final_model:
         return
-    import ray
-
     target = Path(cfg.logger.final_model_dir)
     if not target.is_absolute():
         target = Path(cfg.logger.log_dir) / target
-    path = ray.get(launched.trainer.save_final_model.remote(str(target.resolve())))
+    path = launched.save_final_model(str(target.resolve()))
     log.info("final model (a transformers folder) saved to %s", path)
 
 

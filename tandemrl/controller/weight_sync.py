@@ -11,7 +11,9 @@ transport; each only calls the trainer's and the engines' transport methods
   store once, packed in one flat buffer (``tandemrl.transport.object_store.FlatWeights``: one
   out-of-band copy instead of one pickled storage per tensor); each generation actor receives
   the same object reference and Ray resolves it in the worker, so weights never pass through
-  the controller process.
+  the controller process. A sharded trainer's ranks gather the full tensors one at a time
+  into rank 0's buffer (``tandemrl.training.fsdp.gather_flat_weights``); the reference is
+  rank 0's.
 - ``DeviceWeightSync``: engines in the trainer's own process load views of its flat buffer.
 - ``CudaIpcWeightSync``: engines in other processes on the trainer's GPU map the trainer's
   buffer once; every later sync sends only the version.
@@ -41,6 +43,7 @@ from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any, Protocol
 
 from tandemrl.rollout.generation_pool import GenerationPool, is_worker_death
+from tandemrl.training.trainer_group import ShardedTrainer
 from tandemrl.transport.layout import WeightLayout, WeightSyncError
 from tandemrl.transport.process_group import WeightGroupAddress
 from tandemrl.transport.receiver import WeightLoader
@@ -87,7 +90,13 @@ class RayObjectStoreWeightSync:
     async def sync(self, version: int) -> float:
         started = time.perf_counter()
         # The reference is passed on as a top-level argument: Ray resolves it in each worker.
-        weights_ref = self.trainer_handle.export_weights_flat.remote()
+        if isinstance(self.trainer_handle, ShardedTrainer):
+            # Every rank takes part in gathering the full tensors; rank 0 holds the result.
+            # Its failure is the trainer's (named rank), not the generation workers'.
+            weights_ref, statuses = self.trainer_handle.export_weights_flat_refs()
+            await self.trainer_handle.wait_exported(statuses)
+        else:
+            weights_ref = self.trainer_handle.export_weights_flat.remote()
         await self.pool.update_weights(version, weights_ref)
         return time.perf_counter() - started
 

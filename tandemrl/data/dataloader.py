@@ -68,10 +68,16 @@ class PromptDataLoader:
 
     @classmethod
     def from_config(
-        cls, cfg: DataConfig, *, max_num_epochs: int, gym_rows: bool = False
+        cls,
+        cfg: DataConfig,
+        *,
+        max_num_epochs: int,
+        gym_rows: bool = False,
+        images: bool = False,
     ) -> PromptDataLoader:
+        """The loader of ``data:``; ``images`` (``policy.is_vlm``): rows must hold images."""
         return cls(
-            load_prompt_records(cfg, gym_rows=gym_rows),
+            load_prompt_records(cfg, gym_rows=gym_rows, images=images),
             max_num_epochs=max_num_epochs,
             seed=cfg.seed,
             shuffle=cfg.shuffle,

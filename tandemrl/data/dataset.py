@@ -16,6 +16,14 @@ Sources (``data.dataset``):
 - ``builtin://math-heldout``: 200 more problems of the same kinds, none of them in
   ``builtin://math`` (``math_heldout.jsonl``), for measuring accuracy on problems a run did
   not train on.
+- ``builtin://shape-colour`` and ``builtin://count-squares``: ``data.num_prompts`` images of
+  a coloured shape (the answer its colour's letter) or of 1-4 squares (the answer their
+  count), for a vision-language model (``shapes.py``).
+
+With ``images=True`` (``policy.is_vlm``) every row must hold ``data.image_key``; a row without
+it is an error naming the file and line. The field's value stays in the record's metadata,
+undecoded: the rollout decodes it (``images.py``) when the prompt is generated, so a bad image
+is a data failure of that one prompt, not of the whole dataset.
 
 ``load_validation_records(cfg, max_samples=...)`` reads ``data.validation`` the same way, with
 the same field mapping; ``builtin://counting`` there draws from ``random.Random(data.seed +
@@ -36,6 +44,7 @@ from typing import Any
 
 from tandemrl.config.models import DataConfig
 from tandemrl.data.prompt_format import check_messages, last_user_content
+from tandemrl.data.shapes import count_squares_rows, shape_colour_rows
 from tandemrl.envs.counting import continue_count
 
 BUILTIN_PREFIX = "builtin://"
@@ -102,8 +111,11 @@ def _optional_string(row: dict[str, Any], key: str, where: str, dotpath: str) ->
     )
 
 
-def parse_jsonl_line(line: str, cfg: DataConfig, where: str) -> PromptRecord:
-    """One JSONL line → record; ``where`` is ``"<file>:<line>"`` for error messages."""
+def parse_jsonl_line(
+    line: str, cfg: DataConfig, where: str, *, images: bool = False
+) -> PromptRecord:
+    """One JSONL line → record; ``where`` is ``"<file>:<line>"`` for error messages;
+    ``images``: the row must hold ``data.image_key``."""
     try:
         row = json.loads(line)
     except json.JSONDecodeError as error:
@@ -112,6 +124,8 @@ def parse_jsonl_line(line: str, cfg: DataConfig, where: str) -> PromptRecord:
         raise DatasetError(f"{where}: expected a JSON object, got {type(row).__name__}")
     conversation = _conversation(row, cfg, where)
     required = [(cfg.answer_key, "data.answer_key")]
+    if images:
+        required.append((cfg.image_key, "data.image_key"))
     if conversation is None:
         required.insert(0, (cfg.prompt_key, "data.prompt_key"))
     for key, dotpath in required:
@@ -159,24 +173,30 @@ def _conversation(row: dict[str, Any], cfg: DataConfig, where: str) -> list[Any]
 
 
 def parse_jsonl_text(
-    text: str, cfg: DataConfig, source: str, *, dotpath: str = "data.dataset"
+    text: str,
+    cfg: DataConfig,
+    source: str,
+    *,
+    dotpath: str = "data.dataset",
+    images: bool = False,
 ) -> list[PromptRecord]:
     records = []
     for line_number, line in enumerate(text.splitlines(), start=1):
         if line.strip():
-            records.append(parse_jsonl_line(line, cfg, f"{source}:{line_number}"))
+            records.append(parse_jsonl_line(line, cfg, f"{source}:{line_number}", images=images))
     if not records:
         raise DatasetError(f"{source}: the dataset holds no prompts ({dotpath})")
     return records
 
 
 def load_jsonl(
-    path: str | Path, cfg: DataConfig, *, dotpath: str = "data.dataset"
+    path: str | Path, cfg: DataConfig, *, dotpath: str = "data.dataset", images: bool = False
 ) -> list[PromptRecord]:
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"{dotpath}={str(path)!r}: no such file")
-    return parse_jsonl_text(path.read_text(encoding="utf-8"), cfg, str(path), dotpath=dotpath)
+    text = path.read_text(encoding="utf-8")
+    return parse_jsonl_text(text, cfg, str(path), dotpath=dotpath, images=images)
 
 
 def _load_bundled(name: str, file_name: str) -> list[PromptRecord]:
@@ -185,25 +205,53 @@ def _load_bundled(name: str, file_name: str) -> list[PromptRecord]:
     return parse_jsonl_text(text, DataConfig(), f"{BUILTIN_PREFIX}{name} ({file_name})")
 
 
-def _load_source(source: str, cfg: DataConfig, *, dotpath: str, seed: int) -> list[PromptRecord]:
+def generate_image_records(name: str, cfg: DataConfig, seed: int) -> list[PromptRecord]:
+    """A built-in image dataset (``IMAGE_DATASETS``), each image under ``data.image_key``."""
+    rows = IMAGE_DATASETS[name](cfg.num_prompts, seed)
+    return [
+        PromptRecord(
+            prompt=row["prompt"], answer=row["answer"], metadata={cfg.image_key: row["image"]}
+        )
+        for row in rows
+    ]
+
+
+# Built-in datasets whose rows hold images (under data.image_key).
+IMAGE_DATASETS = {"shape-colour": shape_colour_rows, "count-squares": count_squares_rows}
+
+
+def _load_source(
+    source: str, cfg: DataConfig, *, dotpath: str, seed: int, images: bool = False
+) -> list[PromptRecord]:
     if source.startswith(BUILTIN_PREFIX):
         name = source.removeprefix(BUILTIN_PREFIX)
+        if images and name not in IMAGE_DATASETS:
+            raise DatasetError(
+                f"{dotpath}={source!r} holds no images, and policy.is_vlm is true; use a "
+                "JSONL file with a data.image_key field or builtin://shape-colour"
+            )
         if name == "counting":
             return generate_counting_records(cfg.num_prompts, seed)
         if name == "math":
             return _load_bundled(name, MATH_SMALL_FILE)
         if name == "math-heldout":
             return _load_bundled(name, MATH_HELDOUT_FILE)
+        if name in IMAGE_DATASETS:
+            return generate_image_records(name, cfg, seed)
         raise DatasetError(
             f"{dotpath}={source!r}: unknown built-in dataset; use builtin://counting, "
-            "builtin://math, builtin://math-heldout or a JSONL file path"
+            "builtin://math, builtin://math-heldout, builtin://shape-colour, "
+            "builtin://count-squares or a JSONL file path"
         )
-    return load_jsonl(source, cfg, dotpath=dotpath)
+    return load_jsonl(source, cfg, dotpath=dotpath, images=images)
 
 
-def load_prompt_records(cfg: DataConfig, *, gym_rows: bool = False) -> list[PromptRecord]:
+def load_prompt_records(
+    cfg: DataConfig, *, gym_rows: bool = False, images: bool = False
+) -> list[PromptRecord]:
     """The dataset ``data.dataset`` names, in its stored (unshuffled) order; ``gym_rows``
-    (``env.name: nemo_gym``): a JSONL file of NeMo-Gym rows (``tandemrl.data.gym_rows``)."""
+    (``env.name: nemo_gym``): a JSONL file of NeMo-Gym rows (``tandemrl.data.gym_rows``);
+    ``images`` (``policy.is_vlm``): every row must hold ``data.image_key``."""
     source = cfg.dataset or DEFAULT_DATASET
     if gym_rows:
         from tandemrl.data.gym_rows import parse_gym_jsonl
@@ -215,14 +263,20 @@ def load_prompt_records(cfg: DataConfig, *, gym_rows: bool = False) -> list[Prom
                 "rows (responses_create_params, agent_ref, ...); no such file"
             )
         return parse_gym_jsonl(path.read_text(encoding="utf-8"), str(path))
-    return _load_source(source, cfg, dotpath="data.dataset", seed=cfg.seed)
+    return _load_source(source, cfg, dotpath="data.dataset", seed=cfg.seed, images=images)
 
 
-def load_validation_records(cfg: DataConfig, *, max_samples: int | None) -> list[PromptRecord]:
+def load_validation_records(
+    cfg: DataConfig, *, max_samples: int | None, images: bool = False
+) -> list[PromptRecord]:
     """The held-out prompts ``data.validation`` names (its first ``max_samples``)."""
     if cfg.validation is None:
         raise DatasetError("data.validation: not set; a validation pass needs held-out prompts")
     records = _load_source(
-        cfg.validation, cfg, dotpath="data.validation", seed=cfg.seed + VALIDATION_SEED_OFFSET
+        cfg.validation,
+        cfg,
+        dotpath="data.validation",
+        seed=cfg.seed + VALIDATION_SEED_OFFSET,
+        images=images,
     )
     return records if max_samples is None else records[:max_samples]

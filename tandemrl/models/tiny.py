@@ -27,6 +27,7 @@ a preset and a real checkpoint are loaded by the same code.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -40,6 +41,7 @@ import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoTokenizer,
     PretrainedConfig,
     PreTrainedModel,
@@ -53,6 +55,7 @@ from tandemrl.models.chat_formats import (
     LLAMA3,
     MISTRAL,
     PHI3,
+    QWEN2_VL,
     ChatFormat,
 )
 from tandemrl.models.tokenizer import (
@@ -79,6 +82,10 @@ class TinyPreset:
     alphabet: str = CHAR_ALPHABET
     seed: int = 0
     chat: ChatFormat | None = None
+    # A vision-language preset: its model_type's vision_config and the keyword arguments of
+    # its image processor (``config_kwargs`` then configure the text model).
+    vision: dict[str, Any] | None = None
+    image_processor: dict[str, Any] | None = None
 
     @property
     def extra_special_tokens(self) -> tuple[str, ...]:
@@ -111,7 +118,9 @@ class TinyPreset:
             "eos_token_id": 1,
             "bos_token_id": 2,
         }
-        return AutoConfig.for_model(self.architecture, **common, **self.config_kwargs)
+        if self.vision is None:
+            return AutoConfig.for_model(self.architecture, **common, **self.config_kwargs)
+        return vision_model_config(self, common)
 
     def fingerprint(self) -> str:
         spec: dict[str, Any] = {
@@ -123,8 +132,14 @@ class TinyPreset:
         }
         if self.chat is not None:  # absent for the task presets: their folders keep their names
             spec["chat"] = [self.chat.special_tokens, self.chat.end_of_turn, self.chat.template]
+        if self.vision is not None:
+            spec["vision"] = [self.vision, self.image_processor]
         return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:8]
 
+
+# M-RoPE of the tiny VLM: head_dim 32 = 16 rotary frequency pairs, split over the temporal,
+# height and width axes (Qwen2-VL's [16, 24, 24] of 64 pairs, scaled down).
+TINY_MROPE = {"rope_type": "default", "mrope_section": [4, 6, 6], "rope_theta": 10000.0}
 
 # The architecture matrix's common shape: about 0.1 M parameters each (the MoE about twice),
 # created in well under a second.
@@ -227,6 +242,14 @@ TINY_PRESETS: dict[str, TinyPreset] = {
             ),
             # Phi-3: fused qkv_proj and gate_up_proj, untied.
             "phi3": ("phi3", {"tie_word_embeddings": False}, PHI3),
+            # Qwen2-VL: a one-block vision tower over 7-pixel patches (a 28 x 28 image is 16
+            # patches, merged 2 x 2 into 4 tokens), M-RoPE over (temporal, height, width)
+            # sections of the 32-dim heads; tied embeddings.
+            "qwen2-vl": (
+                "qwen2_vl",
+                {"tie_word_embeddings": True, "rope_parameters": TINY_MROPE},
+                QWEN2_VL,
+            ),
             # Qwen3-MoE: 4 experts, 2 routed per token, every layer sparse.
             "qwen3-moe": (
                 "qwen3_moe",
@@ -242,6 +265,28 @@ TINY_PRESETS: dict[str, TinyPreset] = {
         }.items()
     },
 }
+TINY_PRESETS["qwen2-vl"] = dataclasses.replace(
+    TINY_PRESETS["qwen2-vl"],
+    vision={
+        "depth": 1,
+        "embed_dim": 32,
+        "hidden_size": MATRIX_SHAPE["hidden_size"],  # the merger's output: the text width
+        "num_heads": 2,
+        "mlp_ratio": 2,
+        "patch_size": 7,
+        "temporal_patch_size": 2,
+        "spatial_merge_size": 2,
+        "initializer_range": 0.2,
+    },
+    # Every image is resized to 28 x 28 (min = max pixels): cheap, and a fixed token count.
+    image_processor={
+        "patch_size": 7,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "min_pixels": 28 * 28,
+        "max_pixels": 28 * 28,
+    },
+)
 
 
 class ModelPathError(ValueError):
@@ -324,15 +369,18 @@ def ensure_tiny_model(preset_name: str, models_dir: Path) -> Path:
 def write_tiny_model(preset: TinyPreset, folder: Path) -> None:
     """Seeded random init of ``preset``, saved with its tokenizer into ``folder``."""
     config = preset.build_config()
+    model_class = AutoModelForCausalLM if preset.vision is None else AutoModelForImageTextToText
     # fork_rng: seeding must not disturb the caller's global random stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(preset.seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.generation_config.pad_token_id = config.pad_token_id
+        model = model_class.from_config(config, dtype=torch.float32)
+    model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = preset.generation_eos_token_ids()
-    model.generation_config.bos_token_id = config.bos_token_id
+    model.generation_config.bos_token_id = 2
     model.save_pretrained(folder, safe_serialization=True)
-    preset.build_tokenizer().save_pretrained(folder)
+    preset.build_tokenizer().save_pretrained(folder)  # with its chat template, if any
+    if preset.vision is not None:
+        save_vision_processor(preset, folder)
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -371,6 +419,44 @@ def load_causal_lm(
 
 def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(str(path))
+
+
+def vision_model_config(preset: TinyPreset, common: dict[str, Any]) -> PretrainedConfig:
+    """The config of a vision-language preset: the text model from ``config_kwargs`` (with the
+    special ids of ``common``), the vision tower from ``vision``, the vision tokens' ids."""
+    tokens = preset.extra_special_tokens
+    first = len(SPECIAL_TOKENS) + len(preset.alphabet)
+
+    def token_id(token: str) -> int:
+        return first + tokens.index(token)
+
+    text = {**common, **preset.config_kwargs}
+    return AutoConfig.for_model(
+        preset.architecture,
+        text_config=text,
+        vision_config=dict(preset.vision or {}),
+        image_token_id=token_id("<|image_pad|>"),
+        video_token_id=token_id("<|video_pad|>"),
+        vision_start_token_id=token_id("<|vision_start|>"),
+        vision_end_token_id=token_id("<|vision_end|>"),
+        tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
+    )
+
+
+def save_vision_processor(preset: TinyPreset, folder: Path) -> None:
+    """The preset's processor files beside its tokenizer's: the image processor's
+    ``preprocessor_config.json`` (``save_pretrained``) and ``processor_config.json`` naming the
+    processor class; ``models.vision.load_processor`` reads them back through
+    ``AutoProcessor``."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    # The PIL/numpy image processor: the torchvision one does not import on the CPU build.
+    Qwen2VLImageProcessorPil(**dict(preset.image_processor or {})).save_pretrained(folder)
+    (folder / "processor_config.json").write_text(
+        json.dumps({"processor_class": "Qwen2VLProcessor"}, indent=2) + "\n", encoding="utf-8"
+    )
 
 
 def preset_tokenizer_signature(model_name: str) -> tuple[str, ...] | None:

@@ -48,6 +48,9 @@ class UnfinishedGroup:
     teacher_logprobs: list[list[float]] | None = None
     # Teacher passes this process ran for the group (the run journal records it at commit).
     teacher_passes: int = 0
+    # A vision-language prompt's processed images (models.vision), made when the group's
+    # prompt is encoded; never saved (a restart encodes the prompt's image again).
+    image_inputs: dict[str, Any] | None = field(default=None, compare=False, repr=False)
 
     def discard_staged(self) -> None:
         self.staged.clear()

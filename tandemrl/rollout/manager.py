@@ -43,7 +43,7 @@ import zlib
 from collections import deque
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import NoReturn, Protocol
+from typing import Any, NoReturn, Protocol
 
 from tandemrl.barrier import CheckpointBarrier
 from tandemrl.buffer import ReplayBuffer, Slot
@@ -269,12 +269,33 @@ class RolloutManager:
     # ------------------------------------------------------------------ generation
 
     def _prompt_ids(self, group: UnfinishedGroup) -> list[int]:
-        """The group's prompt as token ids (``data.prompt_format``); a prompt that cannot be
-        rendered (a chat template refusing its conversation) drops the group, no retry."""
+        """The group's prompt as token ids (``data.prompt_format``), its processed images kept
+        on the group (a vision-language run); a prompt that cannot be rendered (a chat
+        template refusing its conversation, an image that is missing, corrupt or too large)
+        drops the group, no retry."""
         try:
-            return self.codec.encode_prompt(group.item)
-        except Exception as exc:  # the template or codec is user data too
+            prompt_ids, group.image_inputs = self.codec.encode_prompt_inputs(group.item)
+        except Exception as exc:  # the template, codec and images are user data too
             self._drop_unretryable(group, DataFailure(f"prompt {group.item.prompt_id}: {exc}"))
+        return prompt_ids
+
+    def _image_inputs(self, group: UnfinishedGroup) -> dict[str, Any] | None:
+        """The group's processed images for its rows: those its generation used, or (a group
+        replayed from the commit log after a restart) its prompt encoded again, which must
+        give the very prompt its siblings were generated from."""
+        if group.image_inputs is not None or self.codec.encode_with_images is None:
+            return group.image_inputs
+        prompt_ids, group.image_inputs = self.codec.encode_prompt_inputs(group.item)
+        first = group.staged[0].result
+        assert first is not None  # an agent episode is refused with policy.is_vlm
+        staged_prompt = first.prompt_token_ids
+        if list(staged_prompt) != list(prompt_ids):
+            raise DataFailure(
+                f"prompt {group.item.prompt_id}: encoding its images again gave another prompt "
+                f"({len(prompt_ids)} tokens) than its committed siblings' "
+                f"({len(staged_prompt)} tokens); its image source changed since"
+            )
+        return group.image_inputs
 
     def _completion_budget(self, group: UnfinishedGroup, prompt_ids: list[int]) -> int:
         """``max_new_tokens``, cut so that prompt + completion fit the trainer's
@@ -317,6 +338,7 @@ class RolloutManager:
         prefix_crc = zlib.crc32(f"{self.seed}|{group_id}|".encode())
         crc32 = zlib.crc32
         keys = _sibling_keys(self.group_size, attempt)
+        image_inputs = group.image_inputs
         requests = []
         for sibling in siblings:
             id_suffix, seed_suffix = keys[sibling]
@@ -331,6 +353,7 @@ class RolloutManager:
                     top_p,
                     stop_token_ids,
                     crc32(seed_suffix, prefix_crc) & 0x7FFFFFFF,  # seed
+                    image_inputs,
                 )
             )
         return requests
@@ -642,6 +665,7 @@ class RolloutManager:
             keeps,
             None if self.teachers is None else self.teachers.index_for(group.item),
             group.teacher_logprobs,
+            image_inputs=self._image_inputs(group),
         )
         return block, metas
 

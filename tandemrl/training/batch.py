@@ -9,6 +9,13 @@ batch is the same either way. ``split_microbatches`` cuts a batch along the sequ
 
 Any field beyond the required ones is carried along when every row has it: 0-d fields are
 stacked to [B], fields of length T are right-padded with 0.
+
+A vision-language row's image fields (``mm.<name>``, each of its prompt's own first
+dimension: patches, images) become ``mm.<name>`` [B, longest, ...] padded with 0 plus
+``mm_count.<name>`` [B] int64, each row's own count, so that every batch field keeps the batch
+as its first dimension (micro-batches, sorting and slicing cut them like any other field);
+``multimodal_inputs`` joins a micro-batch's rows back into the processor's layout (the rows'
+tensors one after the other), which is what the model's forward takes.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 from tandemrl.dataplane.base import BUFFER_DTYPES, BlockRow, RowBlock
-from tandemrl.dataplane.rows import REQUIRED_ROW_KEYS, RowError
+from tandemrl.dataplane.rows import MULTIMODAL_PREFIX, REQUIRED_ROW_KEYS, RowError
 from tandemrl.training.api import TrainBatch
 
 # Fields a row holds one value of (stacked to [B]).
@@ -31,6 +38,55 @@ BROADCASTABLE_KEYS = ("advantages",)
 
 # A bad batch breaks the same contract as a bad row: one error for both.
 BatchError = RowError
+# Batch fields holding each row's count of a multimodal field (module docstring).
+MULTIMODAL_COUNT_PREFIX = "mm_count."
+
+
+def is_multimodal_key(key: str) -> bool:
+    return key.startswith((MULTIMODAL_PREFIX, MULTIMODAL_COUNT_PREFIX))
+
+
+def _collate_multimodal(
+    rows: Sequence[Mapping[str, torch.Tensor]], keys: list[str]
+) -> dict[str, torch.Tensor]:
+    """``mm.<name>`` [B, longest, ...] (0-padded) and ``mm_count.<name>`` [B] per key."""
+    batch: dict[str, torch.Tensor] = {}
+    for key in keys:
+        for index, row in enumerate(rows):
+            if key not in row:
+                raise BatchError(f"rows disagree on their fields: row {index} lacks {key!r}")
+        values = [row[key] for row in rows]
+        trailing = values[0].shape[1:]
+        for index, value in enumerate(values):
+            if value.dim() == 0 or value.shape[1:] != trailing or value.dtype != values[0].dtype:
+                raise BatchError(
+                    f"row {index}: field {key!r} has shape {tuple(value.shape)} "
+                    f"({value.dtype}); every row's must be [count, {', '.join(map(str, trailing))}]"
+                    f" ({values[0].dtype})"
+                )
+        counts = [value.shape[0] for value in values]
+        padded = values[0].new_zeros((len(values), max(counts), *trailing))
+        for index, value in enumerate(values):
+            padded[index, : counts[index]] = value
+        batch[key] = padded
+        batch[MULTIMODAL_COUNT_PREFIX + key.removeprefix(MULTIMODAL_PREFIX)] = torch.tensor(
+            counts, dtype=torch.long
+        )
+    return batch
+
+
+def multimodal_inputs(batch: TrainBatch) -> dict[str, torch.Tensor]:
+    """The model's image inputs of a (micro-)batch: each ``mm.<name>`` with every row's own
+    entries joined in row order (``pixel_values`` [patches, D], ``image_grid_thw`` [images,
+    3]); {} for a text batch."""
+    inputs = {}
+    for key, padded in batch.items():
+        if not key.startswith(MULTIMODAL_PREFIX):
+            continue
+        name = key.removeprefix(MULTIMODAL_PREFIX)
+        counts = batch[MULTIMODAL_COUNT_PREFIX + name].tolist()
+        inputs[name] = torch.cat([padded[row, :count] for row, count in enumerate(counts)])
+    return inputs
 
 
 def _whole_blocks(rows: Sequence[Mapping[str, torch.Tensor]]) -> list[RowBlock] | None:
@@ -55,13 +111,13 @@ def _whole_blocks(rows: Sequence[Mapping[str, torch.Tensor]]) -> list[RowBlock] 
 
 def _collate_blocks(blocks: list[RowBlock], pad_token_id: int) -> TrainBatch:
     """``collate_rows`` for rows that are whole blocks: concatenate instead of padding rows."""
-    first_names = blocks[0].field_names
+    first_names = [name for name in blocks[0].field_names if not is_multimodal_key(name)]
     keys = set(first_names)
     missing = [key for key in REQUIRED_ROW_KEYS if key not in keys]
     if missing:
         raise BatchError(f"row 0 lacks required field(s) {missing}")
     for block in blocks[1:]:
-        names = block.field_names
+        names = [name for name in block.field_names if not is_multimodal_key(name)]
         if names != first_names and set(names) != keys:
             raise BatchError(
                 f"rows disagree on their fields: row 0 has {sorted(keys)}, "
@@ -170,9 +226,13 @@ def collate_rows(rows: Sequence[Mapping[str, torch.Tensor]], pad_token_id: int) 
     """
     if not rows:
         raise BatchError("collate_rows needs at least one row")
+    multimodal_keys = sorted(key for key in rows[0] if key.startswith(MULTIMODAL_PREFIX))
+    multimodal = _collate_multimodal(rows, multimodal_keys) if multimodal_keys else {}
     blocks = _whole_blocks(rows)
     if blocks is not None:
-        return _collate_blocks(blocks, pad_token_id)
+        batch = _collate_blocks(blocks, pad_token_id)
+        batch.update(multimodal)
+        return batch
     lengths = [_check_row(i, row) for i, row in enumerate(rows)]
     max_len = max(lengths)
     keys = set(rows[0])
@@ -183,8 +243,8 @@ def collate_rows(rows: Sequence[Mapping[str, torch.Tensor]], pad_token_id: int) 
                 f"row {i} has {sorted(row)}"
             )
 
-    batch: TrainBatch = {}
-    for key in sorted(keys):
+    batch: TrainBatch = dict(multimodal)
+    for key in sorted(keys - set(multimodal_keys)):
         values = [row[key] for row in rows]
         if key in SEQUENCE_KEYS or (
             key not in BROADCASTABLE_KEYS and all(v.dim() == 0 for v in values)
@@ -256,7 +316,9 @@ def trim_padding(batch: TrainBatch) -> TrainBatch:
     if length == full:
         return batch
     return {
-        key: value[:, :length] if value.dim() >= 2 and value.shape[1] == full else value
+        key: value[:, :length]
+        if value.dim() >= 2 and value.shape[1] == full and not is_multimodal_key(key)
+        else value
         for key, value in batch.items()
     }
 

@@ -40,6 +40,9 @@ DEFAULT_CHUNK_TOKENS = 4096
 # models keep the plain logits path. tests/unit/test_model_matrix.py checks each against it.
 SUPPORTED_MODEL_TYPES = frozenset(
     {"qwen2", "qwen3", "llama", "mistral", "phi3", "qwen3_moe", "gemma3_text"}
+    # Qwen2-VL / Qwen2.5-VL: lm_head of the language model's last hidden state, which their
+    # base model (vision tower + language model) returns (tests/unit/test_vlm.py).
+    | {"qwen2_vl", "qwen2_5_vl"}
 )
 
 

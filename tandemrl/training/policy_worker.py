@@ -45,6 +45,14 @@ detached — exact because gradients accumulate and the weights change only in
 ``finish_train_step``. The micro-batch loop never waits for the device: inputs are cut and
 moved before it, metrics stay on the device and come back in one transfer per chunk.
 
+Vision-language models (``policy.is_vlm``, ``models.vision``): a batch's image fields
+(``mm.*``, ``training.batch``) go to the forward as the processor's ``pixel_values`` and
+``image_grid_thw`` of the micro-batch's rows, with the 3-D rotary positions of
+``vision_position_ids`` computed on the host from the same tokens and grids the engine's
+prefill used; logprobs are then taken at the loss positions exactly as for text. Their rows
+are never packed (``sequence_packing: auto`` leaves packing off for them, with a log line;
+``on`` is refused).
+
 Precision: parameters and optimizer state are float32; "auto" runs forward/backward under
 bfloat16 autocast on CUDA and in plain float32 on CPU.
 
@@ -61,7 +69,7 @@ read back with ``torch.load(weights_only=True)``).
 
 from __future__ import annotations
 
-import dataclasses
+import logging
 import os
 import shutil
 import time
@@ -69,17 +77,27 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from tandemrl.config.models import LossConfig, PolicyConfig
 from tandemrl.dataplane.atomic import atomic_directory
-from tandemrl.models import load_causal_lm, resolve_device, resolve_model_path
+from tandemrl.models import resolve_device, resolve_model_path
+from tandemrl.models.vision import (
+    is_vision_model,
+    load_policy_model,
+    vision_position_ids,
+)
 from tandemrl.training.api import TrainBatch
-from tandemrl.training.batch import count_loss_tokens, loss_mask, split_microbatches, trim_padding
+from tandemrl.training.batch import (
+    count_loss_tokens,
+    loss_mask,
+    multimodal_inputs,
+    split_microbatches,
+    trim_padding,
+)
 from tandemrl.training.causal_mask import no_mask_argument
-from tandemrl.training.logprob_head import head_logprobs, supports_head_logprobs
-from tandemrl.training.losses import metrics_to_floats, policy_loss_terms, token_entropy
+from tandemrl.training.logprob_head import supports_head_logprobs
+from tandemrl.training.losses import metrics_to_floats, policy_loss_terms
 from tandemrl.training.packing import (
     PackedRows,
     pack_rows,
@@ -88,13 +106,15 @@ from tandemrl.training.packing import (
     use_packed_attention,
     varlen_attention_available,
 )
+from tandemrl.training.policy_forward import Micro, PolicyForward
+from tandemrl.training.rank_group import LocalReplicas, Replicas
 from tandemrl.training.worker_common import (
+    SHARDED_LAYOUT,
     CheckpointError,
     OptimizerOffload,
     SerialExecutor,
     SplitStepWorkerAPI,
     StepTracker,
-    autocast,
     autocast_dtype,
     build_optimizer,
     build_scheduler,
@@ -119,7 +139,13 @@ TOKENIZER_FILES = (
     "merges.txt",
     "tokenizer.model",
     "chat_template.jinja",
+    # A vision-language model's processor (models.vision.load_processor).
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
 )
+
+log = logging.getLogger(__name__)
 
 
 def copy_tokenizer_files(source: Path, target: Path) -> list[str]:
@@ -129,22 +155,6 @@ def copy_tokenizer_files(source: Path, target: Path) -> list[str]:
             shutil.copy2(source / name, target / name)
             copied.append(name)
     return copied
-
-
-def sequence_logprobs(
-    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logprobs [B, L], scaled logits [B, L-1, V]) aligned with ``input_ids`` (entry 0 is 0).
-
-    ``logits`` [B, L, V] are the model's raw outputs; position t-1 predicts token t.
-    """
-    scaled = logits[:, :-1].float()
-    if temperature > 0 and temperature != 1.0:
-        scaled = scaled / temperature
-    targets = input_ids[:, 1:]
-    picked = scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    logprobs = picked - torch.logsumexp(scaled, dim=-1)
-    return F.pad(logprobs, (1, 0)), scaled
 
 
 def is_right_padded(attention_mask: torch.Tensor) -> bool:
@@ -157,26 +167,6 @@ def is_right_padded(attention_mask: torch.Tensor) -> bool:
     lengths = attention_mask.sum(dim=1, keepdim=True)
     columns = torch.arange(attention_mask.shape[1], device=attention_mask.device)
     return bool(torch.equal(attention_mask != 0, columns.unsqueeze(0) < lengths))
-
-
-@dataclasses.dataclass
-class Micro:
-    """One micro-batch on the device, with what the logprob head needs.
-
-    ``needed``: the flat indices (into [b, l]) of the positions whose logprob is computed;
-    ``targets``: the token at each; ``hidden_index``: the row of the model's flattened last
-    hidden states that predicts each (one position earlier, in the packed sequence when the
-    rows are packed). ``model_inputs``: what the model's forward takes: the padded
-    ``input_ids`` with their attention mask (for right-padded rows the value that means plain
-    causal attention, ``causal_mask.no_mask_argument``), or the packed sequence with its
-    position ids and row boundaries.
-    """
-
-    batch: TrainBatch
-    needed: torch.Tensor
-    targets: torch.Tensor
-    hidden_index: torch.Tensor
-    model_inputs: dict[str, Any]
 
 
 def split_by_rows_and_tokens(
@@ -242,6 +232,9 @@ def sort_rows_by_length(batch: TrainBatch) -> tuple[TrainBatch, torch.Tensor]:
 class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
     """Trains the policy; see the module docstring for the step protocol and file layout."""
 
+    # The other ranks of a sharded trainer (none here: every reduction is the identity).
+    replicas: Replicas = LocalReplicas()
+
     def __init__(
         self,
         policy_cfg: PolicyConfig,
@@ -268,7 +261,8 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
         self.device = resolve_device(policy_cfg.device)
         self.autocast_dtype = autocast_dtype(policy_cfg.precision, self.device)
         self.temperature = policy_cfg.generation.temperature
-        self.model = load_causal_lm(self.model_path, dtype=torch.float32, device=self.device)
+        self.model = load_policy_model(self.model_path, dtype=torch.float32, device=self.device)
+        self.is_vlm = is_vision_model(self.model)
         self.model.config.use_cache = False
         # Logprobs from the hidden states through the chunked head (logprob_head.py) where
         # the model's logits are a plain lm_head; the full-logits path otherwise.
@@ -287,8 +281,9 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
         # The frozen reference policy of the KL penalty: the initial weights of the model
         # folder (a resumed run loads its checkpoint into self.model, never into this one).
         self.reference_model: torch.nn.Module | None = None
+        self.reference_forward: PolicyForward | None = None
         if loss_cfg.reference_policy_kl_penalty > 0:
-            self.reference_model = load_causal_lm(
+            self.reference_model = load_policy_model(
                 self.model_path, dtype=torch.float32, device=self.device
             )
             self.reference_model.config.use_cache = False
@@ -296,6 +291,23 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
             self.reference_model.eval()
             if self.sequence_packing:
                 use_packed_attention(self.reference_model)
+            self.reference_forward = PolicyForward(
+                self.reference_model,
+                use_head_logprobs=self.use_head_logprobs,
+                temperature=self.temperature,
+                device=self.device,
+                autocast_dtype=self.autocast_dtype,
+                is_vlm=self.is_vlm,
+            )
+        self.forward_module = PolicyForward(
+            self.model,
+            use_head_logprobs=self.use_head_logprobs,
+            temperature=self.temperature,
+            device=self.device,
+            autocast_dtype=self.autocast_dtype,
+            is_vlm=self.is_vlm,
+        )
+        self._shard_model()  # the trained model only: the frozen reference is never sharded
         self.optimizer = build_optimizer(self.model.parameters(), policy_cfg.optimizer, self.device)
         self.scheduler = build_scheduler(self.optimizer, policy_cfg.scheduler)
         self._offload = OptimizerOffload(self.optimizer, self.device)
@@ -307,6 +319,15 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
     def _resolve_packing(self, setting: str) -> bool:
         """``policy.sequence_packing`` for this model and device (see PolicyConfig)."""
         if setting == "off":
+            return False
+        if self.is_vlm:
+            blocker = "vision-language rows carry 3-D rotary positions and image tensors per row"
+            if setting == "on":
+                raise ValueError(
+                    f"policy.sequence_packing: on cannot pack this model ({blocker}); "
+                    "set it to auto or off"
+                )
+            log.info("policy.sequence_packing=auto: packing off for this model (%s)", blocker)
             return False
         blocker = packing_blocker(self.model)
         if blocker is None and not self.use_head_logprobs:
@@ -323,12 +344,16 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
         half = self.autocast_dtype in (torch.float16, torch.bfloat16)
         return blocker is None and half and varlen_attention_available()
 
+    def _shard_model(self) -> None:
+        """Nothing to shard in one process (the sharded worker applies FSDP2 here)."""
+
     def _decoder_layers(self) -> torch.nn.ModuleList:
         layers = getattr(self.model.base_model, "layers", None)
         if not isinstance(layers, torch.nn.ModuleList):
             raise ValueError(
-                "policy.compile_layers: true needs a model whose base model keeps its decoder "
-                f"layers in .layers ({type(self.model).__name__} does not); set it to false"
+                "policy.compile_layers: true and policy.dtensor_cfg.data_parallel_size > 1 need "
+                "a model whose base model keeps its decoder layers in .layers "
+                f"({type(self.model).__name__} does not); set them to false and 1"
             )
         return layers
 
@@ -399,6 +424,8 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
                 "input_ids": batch["input_ids"],
                 "attention_mask": self._no_mask if right_padded else batch["attention_mask"],
             }
+            if self.is_vlm:
+                model_inputs.update(self._vision_inputs(micro))
         return Micro(
             batch=batch,
             needed=index.to(self.device),
@@ -407,54 +434,36 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
             model_inputs=model_inputs,
         )
 
+    def _vision_inputs(self, micro: TrainBatch) -> dict[str, Any]:
+        """A vision-language micro-batch's 3-D positions, prompt mask and image inputs, on
+        the device (``PolicyForward`` turns them into the forward's embeddings)."""
+        images = multimodal_inputs(micro)
+        grids = images.get("image_grid_thw")
+        prompt_mask = (micro["token_mask"] == 0) & (micro["attention_mask"] != 0)
+        positions, _deltas = vision_position_ids(
+            self.model, micro["input_ids"], micro["attention_mask"], grids, prompt_mask
+        )
+        pixels = images.get("pixel_values")
+        return {
+            "position_ids": positions.to(self.device),
+            "image_prompt_mask": prompt_mask.to(self.device),
+            "pixel_values": None if pixels is None else pixels.to(self.device, self.model.dtype),
+            "image_grid_thw": None if grids is None else grids.to(self.device),
+        }
+
     def _forward(
         self, micro: Micro, *, entropy: str, model: torch.nn.Module | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(logprobs [b, l], entropy [b, l] or None); ``entropy``: "none", "metric" or "grad".
 
-        Entries outside ``micro.needed`` are 0 on the head path (they are never a loss
-        position); the full-logits path fills every position. ``model``: the trained model
-        (default) or the frozen reference, which has the same architecture.
+        One call of ``self.forward_module`` (``PolicyForward``): the sharded worker's FSDP2
+        root unit, so that its parameters are gathered around it. ``model``: the trained model
+        (default) or the frozen reference (``self.reference_forward``, same architecture).
         """
-        model = self.model if model is None else model
-        if not self.use_head_logprobs:
-            return self._forward_logits(micro, entropy=entropy, model=model)
-        input_ids = micro.batch["input_ids"]
-        rows, length = input_ids.shape
-        with autocast(self.device, self.autocast_dtype):
-            hidden = model.base_model(**micro.model_inputs, use_cache=False).last_hidden_state
-        hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, micro.hidden_index)
-        compute_dtype = self.autocast_dtype or torch.float32
-        logprobs, token_entropy_ = head_logprobs(
-            hidden.to(compute_dtype),
-            model.get_output_embeddings().weight,
-            micro.targets,
-            temperature=self.temperature,
-        )
-        zeros = torch.zeros(rows * length, device=hidden.device, dtype=torch.float32)
-        logprobs = zeros.index_copy(0, micro.needed, logprobs).view(rows, length)
-        if entropy == "none":
-            return logprobs, None
-        if entropy == "metric":
-            token_entropy_ = token_entropy_.detach()
-        return logprobs, zeros.index_copy(0, micro.needed, token_entropy_).view(rows, length)
-
-    def _forward_logits(
-        self, micro: Micro, *, entropy: str, model: torch.nn.Module
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        with autocast(self.device, self.autocast_dtype):
-            logits = model(
-                input_ids=micro.batch["input_ids"],
-                attention_mask=micro.batch["attention_mask"],
-                use_cache=False,
-            ).logits
-        logprobs, scaled = sequence_logprobs(logits, micro.batch["input_ids"], self.temperature)
-        if entropy == "none":
-            return logprobs, None
-        if entropy == "grad":
-            return logprobs, F.pad(token_entropy(scaled), (1, 0))
-        with torch.no_grad():
-            return logprobs, F.pad(token_entropy(scaled.detach()), (1, 0))
+        if model is None or model is self.model:
+            return self.forward_module(micro, entropy=entropy)
+        assert self.reference_forward is not None and model is self.reference_model
+        return self.reference_forward(micro, entropy=entropy)
 
     def _get_logprobs(self, batch: TrainBatch, reference: bool = False) -> torch.Tensor:
         self._check_length(batch)
@@ -467,6 +476,7 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
         out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32, device=self.device)
         packed = self._packs(batch)
         micros = [trim_padding(micro) for micro in self._split(batch, packed)]
+        passes = self.replicas.max_int(len(micros))  # before any pass: collectives line up
         start = 0
         with torch.no_grad():
             for micro in micros:
@@ -476,6 +486,8 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
                 mask = prepared.batch["attention_mask"].to(logprobs.dtype)
                 out[start : start + size, :length] = logprobs * mask
                 start += size
+            if not reference:  # the reference is never sharded: no collectives to line up
+                self._idle_passes(passes - len(micros), train=False)
         model.train(was_training)
         out = out.cpu()  # the one wait for the device
         unsorted = torch.empty_like(out)
@@ -519,6 +531,7 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
             for micro in map(trim_padding, self._split(batch, packed))
             if count_loss_tokens(micro) > 0  # the others add exactly 0 to loss and gradient
         ]
+        passes = self.replicas.max_int(len(micros))  # before any pass: collectives line up
         entropy_mode = "grad" if self.loss_cfg.entropy_coef > 0 else "metric"
         device_metrics = []
         for micro in micros:
@@ -536,6 +549,7 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
             )
             loss.backward()
             device_metrics.append(metrics)
+        self._idle_passes(passes - len(micros), train=True)
         chunk = StepTracker()
         for metrics in metrics_to_floats(device_metrics):
             chunk.add(metrics)
@@ -548,14 +562,45 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
             scale = step_num_sequences / int(batch["input_ids"].shape[0])
         return chunk.summary(scale)
 
+    def _idle_passes(self, count: int, *, train: bool) -> None:
+        """``count`` passes over a 2-token dummy row that add exactly 0 to every gradient: a
+        rank with fewer micro-batches than another runs them, so that every rank issues the
+        same collectives (none in one process, where ``count`` is always 0)."""
+        if count <= 0:
+            return
+        dummy = {
+            "input_ids": torch.zeros((1, 2), dtype=torch.long),
+            "attention_mask": torch.ones((1, 2), dtype=torch.long),
+        }
+        needed = torch.tensor([[False, True]])
+        for _ in range(count):
+            micro = self._prepare(dummy, needed)
+            logprobs, entropy = self._forward(micro, entropy="grad" if train else "none")
+            if train:
+                zero = logprobs.sum() * 0.0
+                if entropy is not None:
+                    zero = zero + entropy.sum() * 0.0
+                zero.backward()
+
+    def _clip_gradients(self) -> float:
+        return grad_norm_and_clip(self.model.parameters(), self.cfg.max_grad_norm)
+
     def _finish_train_step(self) -> dict[str, float]:
         try:
-            self._step.check_finish()
+            # Over every rank: the step's tokens (rows, for a sequence mean) normalise the loss
+            # wherever they were trained.
+            valid_tokens = self.replicas.sum_int(self._step.valid_tokens)
+            sequences = self.replicas.sum_int(self._step.sequences)
+            self._step.check_finish(valid_tokens, sequences)
             self._offload.reload()
             lr = float(self.scheduler.get_last_lr()[0])
-            scale = self._step.gradient_scale(token_level=self.loss_cfg.token_level_loss)
+            scale = self._step.gradient_scale(
+                token_level=self.loss_cfg.token_level_loss,
+                valid_tokens=valid_tokens,
+                sequences=sequences,
+            )
             scale_gradients(self.model.parameters(), scale)
-            grad_norm = grad_norm_and_clip(self.model.parameters(), self.cfg.max_grad_norm)
+            grad_norm = self._clip_gradients()
             self.optimizer.step()
             self.scheduler.step()
         except Exception:
@@ -637,9 +682,23 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
             raise CheckpointError(
                 f"{directory} holds a {state.get('kind')!r} checkpoint, not a policy checkpoint"
             )
-        self._load_model_weights(directory)
+        if state.get("layout") == SHARDED_LAYOUT:
+            # Written by a sharded trainer (policy.dtensor_cfg.data_parallel_size > 1): DCP
+            # reshards it into this one process.
+            from tandemrl.training.fsdp import load_sharded_checkpoint
+
+            load_sharded_checkpoint(
+                directory,
+                self.forward_module,
+                self.optimizer if load_optimizer else None,
+                self.scheduler,
+                rank=self.replicas.rank,
+            )
+        else:
+            self._load_model_weights(directory)
+            if load_optimizer:
+                load_optimizer_state(directory, self.optimizer, self.scheduler)
         if load_optimizer:
-            load_optimizer_state(directory, self.optimizer, self.scheduler)
             self._offload.location = "device"
         self.optimizer_steps = int(state["optimizer_steps"])
 
@@ -653,7 +712,10 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
             )
         try:
             # from_pretrained resolves shards and tied weights the way save_pretrained wrote them.
-            loaded = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+            if self.is_vlm:
+                loaded = load_policy_model(directory, dtype=torch.float32, device="cpu")
+            else:
+                loaded = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
             self.model.load_state_dict(loaded.state_dict(), strict=True)
         except Exception as exc:
             raise CheckpointError(

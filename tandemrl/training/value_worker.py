@@ -36,7 +36,9 @@ from tandemrl.models import resolve_device, resolve_model_path
 from tandemrl.training.api import TrainBatch
 from tandemrl.training.batch import count_loss_tokens, split_microbatches, trim_padding
 from tandemrl.training.losses import value_loss
+from tandemrl.training.rank_group import LocalReplicas, Replicas
 from tandemrl.training.worker_common import (
+    SHARDED_LAYOUT,
     WORKER_STATE_FILE,
     CheckpointError,
     SerialExecutor,
@@ -58,8 +60,41 @@ BACKBONE_DIR = "backbone"
 HEAD_FILE = "value_head.safetensors"
 
 
+class CriticModel(nn.Module):
+    """Backbone and value head as one module: one forward call gives [b, l] values (what
+    FSDP2's root unit needs to gather the head and the embeddings around it)."""
+
+    def __init__(
+        self,
+        backbone: nn.Module,
+        head: nn.Linear,
+        *,
+        device: torch.device,
+        autocast_dtype: torch.dtype | None,
+    ) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.head = head
+        self.device = device
+        self.autocast_dtype = autocast_dtype
+
+    def forward(self, micro: TrainBatch) -> torch.Tensor:
+        with autocast(self.device, self.autocast_dtype):
+            hidden = self.backbone(
+                input_ids=micro["input_ids"],
+                attention_mask=micro["attention_mask"],
+                use_cache=False,
+            ).last_hidden_state
+        values = self.head(hidden[:, :-1].float()).squeeze(-1)
+        values = F.pad(values, (1, 0))
+        return values * micro["attention_mask"].to(values.dtype)
+
+
 class ValueWorker(SplitStepWorkerAPI):
     """Trains the critic; see the module docstring."""
+
+    # The other ranks of a sharded critic (none here: every reduction is the identity).
+    replicas: Replicas = LocalReplicas()
 
     def __init__(
         self,
@@ -99,14 +134,21 @@ class ValueWorker(SplitStepWorkerAPI):
             self.head.bias.zero_()
         self.backbone.to(self.device)
         self.head.to(self.device)
+        self.critic = CriticModel(
+            self.backbone, self.head, device=self.device, autocast_dtype=self.autocast_dtype
+        )
+        self._shard_model()
         self.optimizer = build_optimizer(self._parameters(), value_cfg.optimizer, self.device)
         self.scheduler = build_scheduler(self.optimizer, None)
         self._step = StepTracker()
         self._executor = SerialExecutor()
         self.optimizer_steps = 0
 
+    def _shard_model(self) -> None:
+        """Nothing to shard in one process (the sharded critic applies FSDP2 here)."""
+
     def _parameters(self) -> list[nn.Parameter]:
-        return [*self.backbone.parameters(), *self.head.parameters()]
+        return list(self.critic.parameters())  # the backbone's, then the head's
 
     def state(self) -> dict[str, Any]:
         return {"optimizer_steps": self.optimizer_steps, "in_train_step": self._step.active}
@@ -114,15 +156,20 @@ class ValueWorker(SplitStepWorkerAPI):
     # ------------------------------------------------------------------ forward
 
     def _forward(self, micro: TrainBatch) -> torch.Tensor:
-        with autocast(self.device, self.autocast_dtype):
-            hidden = self.backbone(
-                input_ids=micro["input_ids"],
-                attention_mask=micro["attention_mask"],
-                use_cache=False,
-            ).last_hidden_state
-        values = self.head(hidden[:, :-1].float()).squeeze(-1)
-        values = F.pad(values, (1, 0))
-        return values * micro["attention_mask"].to(values.dtype)
+        return self.critic(micro)
+
+    def _idle_passes(self, count: int, *, train: bool) -> None:
+        """``count`` passes over a 2-token dummy row that add exactly 0 to every gradient, so
+        that every rank of a sharded critic issues the same collectives (``count`` is 0 in
+        one process)."""
+        dummy = {
+            "input_ids": torch.zeros((1, 2), dtype=torch.long, device=self.device),
+            "attention_mask": torch.ones((1, 2), dtype=torch.long, device=self.device),
+        }
+        for _ in range(max(count, 0)):
+            values = self._forward(dummy)
+            if train:
+                (values.sum() * 0.0).backward()
 
     def _to_device(self, batch: TrainBatch) -> TrainBatch:
         return {key: value.to(self.device) for key, value in batch.items()}
@@ -131,12 +178,15 @@ class ValueWorker(SplitStepWorkerAPI):
         self.backbone.eval()
         out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
         start = 0
+        micros = split_microbatches(batch, self.cfg.train_micro_batch_size)
+        passes = self.replicas.max_int(len(micros))  # before any pass: collectives line up
         with torch.no_grad():
-            for micro in split_microbatches(batch, self.cfg.train_micro_batch_size):
+            for micro in micros:
                 size = micro["input_ids"].shape[0]
                 values = self._forward(self._to_device(trim_padding(micro)))
                 out[start : start + size, : values.shape[1]] = values.cpu()
                 start += size
+            self._idle_passes(passes - len(micros), train=False)
         return out
 
     # ------------------------------------------------------------------ split train step
@@ -151,9 +201,13 @@ class ValueWorker(SplitStepWorkerAPI):
         )
         self.backbone.train()
         chunk = StepTracker()
-        for micro in split_microbatches(batch, self.cfg.train_micro_batch_size):
-            if count_loss_tokens(micro) == 0:
-                continue  # contributes exactly 0 to the step's loss and gradient
+        micros = [
+            micro
+            for micro in split_microbatches(batch, self.cfg.train_micro_batch_size)
+            if count_loss_tokens(micro) > 0  # the others add exactly 0 to loss and gradient
+        ]
+        passes = self.replicas.max_int(len(micros))  # before any pass: collectives line up
+        for micro in micros:
             micro = self._to_device(trim_padding(micro))
             loss, metrics = value_loss(
                 self._forward(micro), micro, self.loss_cfg, num_step_tokens=normalizer
@@ -161,17 +215,22 @@ class ValueWorker(SplitStepWorkerAPI):
             loss.backward()
             chunk.add(metrics)
             self._step.add(metrics)
+        self._idle_passes(passes - len(micros), train=True)
         # Report the chunk's own token-mean loss (its share of the step is not final while
         # the step's token count is still unknown).
         return chunk.summary(normalizer / chunk.valid_tokens if chunk.valid_tokens else 1.0)
 
     def _finish_train_step(self) -> dict[str, float]:
         try:
-            self._step.check_finish()
+            # Over every rank: the step's tokens (rows, for a sequence mean) normalise the loss
+            # wherever they were trained.
+            valid_tokens = self.replicas.sum_int(self._step.valid_tokens)
+            sequences = self.replicas.sum_int(self._step.sequences)
+            self._step.check_finish(valid_tokens, sequences)
             lr = float(self.scheduler.get_last_lr()[0])
-            scale = self._step.gradient_scale(token_level=True)
+            scale = self._step.gradient_scale(token_level=True, valid_tokens=valid_tokens)
             scale_gradients(self._parameters(), scale)
-            grad_norm = grad_norm_and_clip(self._parameters(), self.cfg.max_grad_norm)
+            grad_norm = self._clip_gradients()
             self.optimizer.step()
             self.scheduler.step()
         except Exception:
@@ -186,6 +245,9 @@ class ValueWorker(SplitStepWorkerAPI):
             {"grad_norm": grad_norm, "lr": lr, "optimizer_steps": float(self.optimizer_steps)}
         )
         return metrics
+
+    def _clip_gradients(self) -> float:
+        return grad_norm_and_clip(self._parameters(), self.cfg.max_grad_norm)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -206,7 +268,7 @@ class ValueWorker(SplitStepWorkerAPI):
             },
         )
 
-    def _load_weights(self, directory: Path) -> dict[str, Any]:
+    def _read_state(self, directory: Path) -> dict[str, Any]:
         if not directory.is_dir():
             raise CheckpointError(f"value checkpoint folder {directory} does not exist")
         state = read_worker_state(directory)
@@ -214,6 +276,39 @@ class ValueWorker(SplitStepWorkerAPI):
             raise CheckpointError(
                 f"{directory} holds a {state.get('kind')!r} checkpoint, not a value checkpoint"
             )
+        return state
+
+    def _load_weights(self, directory: Path, load_optimizer: bool = False) -> dict[str, Any]:
+        """The folder's weights (and with ``load_optimizer`` its optimizer state), in either
+        layout: one process's files, or a sharded critic's DCP folder."""
+        state = self._read_state(directory)
+        if state.get("layout") == SHARDED_LAYOUT:
+            from tandemrl.training.fsdp import load_sharded_checkpoint
+
+            load_sharded_checkpoint(
+                directory,
+                self.critic,
+                self.optimizer if load_optimizer else None,
+                self.scheduler,
+                rank=self.replicas.rank,
+            )
+            return state
+        backbone_state, head_state = self._read_full_weights(directory)
+        try:
+            self.backbone.load_state_dict(backbone_state, strict=True)
+            self.head.load_state_dict(head_state, strict=True)
+        except RuntimeError as exc:
+            raise CheckpointError(
+                f"value checkpoint {directory} does not match this model: {exc}"
+            ) from exc
+        if load_optimizer:
+            load_optimizer_state(directory, self.optimizer, self.scheduler)
+        return state
+
+    def _read_full_weights(
+        self, directory: Path
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(backbone, head) state dicts of one process's folder, read on the host."""
         backbone_dir = directory / BACKBONE_DIR
         weights = backbone_dir / "model.safetensors"
         if not weights.is_file() and not (backbone_dir / "model.safetensors.index.json").is_file():
@@ -230,19 +325,10 @@ class ValueWorker(SplitStepWorkerAPI):
             head_state = load_file(str(head_file))
         except Exception as exc:
             raise CheckpointError(f"checkpoint file {head_file} is corrupt: {exc}") from exc
-        try:
-            self.backbone.load_state_dict(backbone_state, strict=True)
-            self.head.load_state_dict(head_state, strict=True)
-        except RuntimeError as exc:
-            raise CheckpointError(
-                f"value checkpoint {directory} does not match this model: {exc}"
-            ) from exc
-        return state
+        return backbone_state, head_state
 
     def _load_checkpoint(self, directory: Path, load_optimizer: bool) -> None:
-        state = self._load_weights(Path(directory))
-        if load_optimizer:
-            load_optimizer_state(Path(directory), self.optimizer, self.scheduler)
+        state = self._load_weights(Path(directory), load_optimizer)
         self.optimizer_steps = int(state["optimizer_steps"])
 
     def _load_warm_start(self, checkpoint_dir: Path) -> None:

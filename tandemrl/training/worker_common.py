@@ -30,6 +30,9 @@ T = TypeVar("T")
 OPTIMIZER_FILE = "optimizer.pt"
 WORKER_STATE_FILE = "worker_state.json"
 CHECKPOINT_FORMAT = 1
+# worker_state.json "layout" of a folder written by the ranks of a sharded trainer
+# (``tandemrl.training.fsdp``); absent: one process's save_pretrained folder.
+SHARDED_LAYOUT = "dcp"
 
 
 class CheckpointError(RuntimeError):
@@ -159,6 +162,7 @@ class OptimizerOffload:
         self.transitions: deque[str] = deque(maxlen=TRANSITIONS_KEPT)
 
     def _move(self, target: torch.device) -> None:
+        # Sharded parameters' states are DTensors: ``.to`` moves each rank's own shard.
         for state in self.optimizer.state.values():
             for key, value in state.items():
                 # AdamW keeps "step" on CPU unless fused/capturable: leave it where it is.
@@ -285,14 +289,22 @@ class StepTracker:
                 self._sums[key] = self._sums.get(key, 0.0) + value * tokens
                 self._weights[key] = self._weights.get(key, 0.0) + tokens
 
-    def gradient_scale(self, token_level: bool) -> float:
+    def gradient_scale(
+        self, token_level: bool, valid_tokens: int | None = None, sequences: int | None = None
+    ) -> float:
         """Factor ``finish`` applies to the accumulated gradient (and summed loss metrics):
-        the provisional normalizer of a deferred step over the step's real token or row
-        count; 1 when the caller passed the step's counts."""
+        the provisional normalizer of a deferred step over the step's real token (token mean)
+        or row (sequence mean) count; 1 when the caller passed the step's counts.
+
+        ``valid_tokens`` / ``sequences``: the step's counts over every rank of a sharded
+        trainer (default: what this tracker saw)."""
         if not self.deferred:
             return 1.0
         assert self.declared_sequences is not None
-        actual = self.valid_tokens if token_level else self.sequences
+        if token_level:
+            actual = self.valid_tokens if valid_tokens is None else valid_tokens
+        else:
+            actual = self.sequences if sequences is None else sequences
         return self.declared_sequences / actual
 
     def summary(self, scale: float = 1.0) -> dict[str, float]:
@@ -308,22 +320,28 @@ class StepTracker:
         out["num_chunks"] = float(self.chunks)
         return out
 
-    def check_finish(self) -> None:
+    def check_finish(self, valid_tokens: int | None = None, sequences: int | None = None) -> None:
+        """``valid_tokens`` / ``sequences``: the step's counts over every rank (default: this
+        tracker's)."""
         self.require_active("finish_train_step")
-        if self.valid_tokens == 0:
+        if valid_tokens is None:
+            valid_tokens = self.valid_tokens
+        if sequences is None:
+            sequences = self.sequences
+        if valid_tokens == 0:
             raise AllMaskedStepError(
                 "every completion of this RL step is masked out (no chunk held a token with "
                 "token_mask x sample_mask = 1): refusing to apply an empty optimizer step"
             )
-        if self.declared_tokens is not None and self.declared_tokens != self.valid_tokens:
+        if self.declared_tokens is not None and self.declared_tokens != valid_tokens:
             raise TrainStepError(
-                f"the step's chunks held {self.valid_tokens} valid tokens but step_num_tokens "
+                f"the step's chunks held {valid_tokens} valid tokens but step_num_tokens "
                 f"was {self.declared_tokens}: the loss was normalized by the wrong count "
                 "(a chunk is missing, or the count ignored sample_mask)"
             )
-        if self.declared_tokens is not None and self.declared_sequences != self.sequences:
+        if self.declared_tokens is not None and self.declared_sequences != sequences:
             raise TrainStepError(
-                f"the step's chunks held {self.sequences} sequences but step_num_sequences was "
+                f"the step's chunks held {sequences} sequences but step_num_sequences was "
                 f"{self.declared_sequences}: a sequence-mean loss was normalized by the wrong "
                 "count (pass the rows the step holds, or step_num_tokens=None to defer)"
             )

@@ -67,6 +67,13 @@ from tandemrl.checkpoint.layout import JOURNAL
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "examples" / "configs" / "grpo_tiny_cpu_checkpointed.yaml"
+# The vision-language run of the chaos case (``VLM_CHECKPOINTING`` makes it checkpointed).
+VLM_CONFIG = REPO / "examples" / "configs" / "grpo_tiny_cpu_vlm.yaml"
+VLM_CHECKPOINTING = (
+    "checkpointing.enabled=true",
+    "checkpointing.save_data_plane=true",
+    "token_capture.enabled=true",
+)
 LIGHT_DRIVER = REPO / "tests" / "chaos" / "light_driver.py"
 DISTILL_CONFIG = REPO / "examples" / "configs" / "distill_tiny_cpu.yaml"
 MARKER_ENV = "TANDEMRL_CHAOS_RUN"
@@ -627,11 +634,18 @@ def run_with_kills(
     point_timeout_s: float = 150.0,
     final_timeout_s: float = 420.0,
     log: Any = print,
+    light: bool = False,
 ) -> ChaosReport:
-    """Run, killing once per entry of ``points``, then let the last attempt finish."""
+    """Run, killing once per entry of ``points``, then let the last attempt finish.
+
+    ``light``: attempts are ``light_driver.py`` over the fake engine and trainer
+    (``LIGHT_OVERRIDES``), forked by one zygote, instead of ``tandemrl train``."""
     shape = shape or RunShape()
     workdir.mkdir(parents=True, exist_ok=True)
     overrides = shape.overrides(workdir)
+    if light:
+        overrides += LIGHT_OVERRIDES
+    zygote = LightZygote() if light else None
     checkpoint_dir = workdir / "ckpt"
     rng = random.Random(seed)
     marker = uuid.uuid4().hex
@@ -644,7 +658,9 @@ def run_with_kills(
             starts_before = sum(
                 event["event"] == "start" for event in _journal_events(checkpoint_dir / JOURNAL)
             )
-            attempt = Attempt(report.attempts, workdir, overrides, marker, config=shape.config)
+            attempt = Attempt(
+                report.attempts, workdir, overrides, marker, zygote=zygote, config=shape.config
+            )
             report.attempts += 1
             observer = Observer(checkpoint_dir, starts_before, shape)
             if not pending:
@@ -695,6 +711,9 @@ def run_with_kills(
         if attempt is not None:
             attempt.kill_everything()
         raise
+    finally:
+        if zygote is not None:
+            zygote.close()
     report.wall_s = time.monotonic() - started
     report.audit = audit(checkpoint_dir, shape)
     return report

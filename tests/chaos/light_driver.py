@@ -10,6 +10,13 @@ attempt starts in the time of its imports instead of Ray's and three workers' st
 directory exactly as a killed ``tandemrl train`` leaves it: whatever the writer, the log and
 the journal had written.
 
+A vision-language run (``policy.is_vlm``, the chaos VLM case) encodes its prompts with the
+model folder's real processor (images included) and trains with ``ImageCheckingTrainer``:
+every trained row must hold its prompt's processed images, intact — the pixels of one of the
+dataset's images, the same for every row of a group, as many patches as its prompt has image
+tokens — whether the row came from the rollout, a data-plane snapshot or the commit log's
+replay; a row that does not fails the attempt.
+
     python tests/chaos/light_driver.py --config FILE [a.b=c ...]
     python tests/chaos/light_driver.py --serve      # a zygote: see ``serve``
 """
@@ -39,16 +46,63 @@ EXIT_REFUSED = 2
 TRAIN_SECONDS_PER_STEP = 0.02
 
 
+class ImageCheckingTrainer(FakeTrainer):
+    """The fake trainer, refusing any train batch whose image fields are not intact."""
+
+    def __init__(self, image_digests: set[str], *, image_token_id: int, group_size: int) -> None:
+        super().__init__(train_seconds_per_step=TRAIN_SECONDS_PER_STEP, record_tensors=False)
+        self.image_digests = image_digests
+        self.image_token_id = image_token_id
+        self.group_size = group_size
+
+    async def train_microbatches(self, batch, *, step_num_sequences, step_num_tokens=None):
+        pixels, counts = batch["mm.pixel_values"], batch["mm_count.pixel_values"].tolist()
+        prompt = (batch["input_ids"] == self.image_token_id) & (batch["token_mask"] == 0)
+        for row, count in enumerate(counts):
+            digest = pixel_digest(pixels[row, :count])
+            if digest not in self.image_digests:
+                raise AssertionError(f"row {row}: its pixels are none of the dataset's images")
+            if int(prompt[row].sum()) * 4 != count:  # 2 x 2 patches per image token
+                raise AssertionError(f"row {row}: {count} patches for its image tokens")
+            if row % self.group_size and digest != pixel_digest(pixels[row - 1, : counts[row - 1]]):
+                raise AssertionError(f"row {row}: another image than its group's")
+        return await super().train_microbatches(
+            batch, step_num_sequences=step_num_sequences, step_num_tokens=step_num_tokens
+        )
+
+
+def pixel_digest(pixels) -> str:
+    import hashlib
+
+    return hashlib.sha256(pixels.contiguous().numpy().tobytes()).hexdigest()
+
+
+def _vision_parts(cfg):
+    """(codec, trainer) of a vision-language run: the processor's codec and a trainer that
+    checks the images of every row against the dataset's own."""
+    from tandemrl.controller.actor import run_text_codec
+    from tandemrl.data.dataloader import PromptDataLoader
+    from tandemrl.models import resolve_model_path
+
+    model_path = str(resolve_model_path(cfg.policy.model_name))
+    codec = run_text_codec(cfg, model_path)
+    loader = PromptDataLoader.from_config(cfg.data, max_num_epochs=1, images=True)
+    digests = {pixel_digest(codec.encode_prompt_inputs(item)[1]["pixel_values"]) for item in loader}
+    image_token_id = codec.encode("<|image_pad|>")[0]
+    group_size = cfg.algorithm.num_generations_per_prompt
+    return codec, ImageCheckingTrainer(
+        digests, image_token_id=image_token_id, group_size=group_size
+    )
+
+
 async def _train(cfg, plan) -> None:
     engine = create_generation_backend(cfg.policy, "unused", seed=cfg.algorithm.seed)
+    codec, trainer = fake_codec(), FakeTrainer(train_seconds_per_step=TRAIN_SECONDS_PER_STEP)
+    if cfg.policy.is_vlm:
+        codec, trainer = _vision_parts(cfg)
     controller = build_controller(
         cfg,
-        ControllerParts(
-            trainer=FakeTrainer(train_seconds_per_step=TRAIN_SECONDS_PER_STEP),
-            engines=[engine],
-            env=CountingEnv(),
-            codec=fake_codec(),
-        ),
+        ControllerParts(trainer=trainer, engines=[engine], env=CountingEnv(), codec=codec),
     )
     try:
         await controller.resume(plan)

@@ -54,7 +54,11 @@ def make_batch(trainer, *, masked: bool = False):
     rows = []
     for i in range(ROWS):
         row = make_training_row(
-            [1, 2], [3, 4 + i], [-1.0, -1.0], reward=float(i % 2), sample_mask=0.0 if masked else 1.0
+            [1, 2],
+            [3, 4 + i],
+            [-1.0, -1.0],
+            reward=float(i % 2),
+            sample_mask=0.0 if masked else 1.0,
         )
         row["advantages"] = torch.tensor(1.0 if i % 2 else -1.0)
         rows.append(row)

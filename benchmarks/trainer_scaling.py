@@ -1,0 +1,308 @@
+"""Trained tokens per second of the sharded trainer (FSDP2) against one process.
+
+``--mode cpu`` (the default; gloo): the real trainer processes on local Ray — the unsharded
+``PolicyWorker`` actor (data-parallel 1) and a 2-rank ``ShardedTrainer`` (data-parallel 2,
+``tandemrl.controller.setup.launch_trainer_group``) — each timed over ``--steps`` whole RL
+steps (get_logprobs, begin, train_microbatches, finish) on the same batch after one warm-up
+step. Tokens are the step's loss tokens. Then both start again from the same weights, take
+one step on the same batch, and the largest parameter difference is reported
+(``dp2_max_param_diff``; float32 summation order is all that differs).
+
+    RESULT {"dp1_tokens_per_s", "dp2_tokens_per_s", "dp2_over_dp1_tokens_per_s",
+            "dp2_max_param_diff", ...}
+
+On a 2-core machine two ranks share the cores with Ray and each other, so the ratio says
+little about scaling; run it where each rank has cores of its own.
+
+``--mode gpu`` (one GPU; NCCL): the FSDP2 trainer at size 1 (``ShardedPolicyWorker`` in a
+one-rank NCCL group, bf16 parameters gathered, fp32 reduction) against today's single-process
+trainer (``PolicyWorker``: fp32 parameters under bf16 autocast) on a 0.5B-shaped random Qwen2
+(``gpu_common``), both in this process, each the median of ``--repeats`` whole steps after a
+warm-up. MFU = 6 · parameters · tokens / step time / ``--peak-tflops`` (the H200's dense bf16
+peak by default). Goal: ``fsdp1_over_single_step_time`` ≤ 1.05 and ``mfu`` ≥ 0.45.
+
+    RESULT {"single_step_s", "fsdp1_step_s", "fsdp1_over_single_step_time", "mfu",
+            "mfu_single", ...}
+
+    python benchmarks/trainer_scaling.py                    # CPU, gloo
+    python benchmarks/trainer_scaling.py --mode gpu --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from tandemrl.config.loader import load_config
+from tandemrl.training.batch import count_loss_tokens
+
+CPU_PRESET = {  # Qwen2 h256 L4 (about 2.6 M parameters): compute is not all overhead
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 64,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 256,
+}
+H200_BF16_PEAK_TFLOPS = 989.0
+
+
+def build_cpu_model(folder: Path) -> Path:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    if not (folder / "config.json").is_file():
+        torch.manual_seed(0)
+        config = Qwen2Config(**CPU_PRESET, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+        Qwen2ForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def random_batch(
+    rows: int, length: int, prompt: int, vocab: int, seed: int
+) -> dict[str, torch.Tensor]:
+    """Rows of ``length`` tokens (the first ``prompt`` masked), uneven by up to a quarter."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = [
+        length - int(torch.randint(0, length // 4, (1,), generator=generator)) for _ in range(rows)
+    ]
+    width = max(lengths)
+    input_ids = torch.zeros(rows, width, dtype=torch.long)
+    attention = torch.zeros(rows, width, dtype=torch.long)
+    for row, size in enumerate(lengths):
+        input_ids[row, :size] = torch.randint(3, vocab, (size,), generator=generator)
+        attention[row, :size] = 1
+    token_mask = attention.float()
+    token_mask[:, :prompt] = 0
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention,
+        "token_mask": token_mask,
+        "sample_mask": torch.ones(rows),
+        "advantages": torch.randn(rows, 1, generator=generator).expand(rows, width).contiguous(),
+        "generation_logprobs": -torch.rand(rows, width, generator=generator) * token_mask,
+    }
+
+
+async def one_step(trainer: Any, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+    batch = dict(batch)
+    batch["prev_logprobs"] = await trainer.get_logprobs(batch)
+    await trainer.begin_train_step()
+    await trainer.train_microbatches(
+        batch,
+        step_num_sequences=batch["input_ids"].shape[0],
+        step_num_tokens=count_loss_tokens(batch),
+    )
+    return await trainer.finish_train_step()
+
+
+async def timed_steps(trainer: Any, batch: dict[str, torch.Tensor], steps: int) -> float:
+    """Loss tokens per second over ``steps`` steps after one warm-up step."""
+    await one_step(trainer, batch)
+    started = time.perf_counter()
+    for _ in range(steps):
+        await one_step(trainer, batch)
+    return steps * count_loss_tokens(batch) / (time.perf_counter() - started)
+
+
+def flat_params(flat: Any) -> dict[str, torch.Tensor]:
+    return {name: tensor.clone() for name, tensor in flat.to_state_dict().items()}
+
+
+def cpu_mode(args: argparse.Namespace) -> dict[str, Any]:
+    import ray
+
+    from tandemrl.controller.actor import as_trainer
+    from tandemrl.controller.setup import launch_trainer_group, plan_placement
+    from tandemrl.training.policy_worker import create_policy_worker_actor
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    model_dir = build_cpu_model(Path(tempfile.mkdtemp(prefix="trainer_scaling_")) / "model")
+    overrides = (
+        f"policy.model_name={model_dir}",
+        f"policy.train_micro_batch_size={args.micro_batch}",
+        f"policy.max_total_sequence_length={args.length}",
+    )
+    batch = random_batch(args.rows, args.length, args.length // 4, CPU_PRESET["vocab_size"], 0)
+    result: dict[str, Any] = {
+        "mode": "cpu",
+        "rows": args.rows,
+        "loss_tokens_per_step": count_loss_tokens(batch),
+        "steps": args.steps,
+        "load_average_1m": os.getloadavg()[0],
+    }
+
+    def start(ranks: int) -> tuple[Any, list[Any], Any]:
+        cfg = load_config(
+            "examples/configs/grpo_tiny_cpu.yaml",
+            (*overrides, f"policy.dtensor_cfg.data_parallel_size={ranks}"),
+        )
+        if ranks == 1:
+            handle = create_policy_worker_actor(cfg.policy, cfg.loss_fn, model_path=model_dir)
+            ray.get(handle.get_state.remote())
+            return as_trainer(handle), [handle], None
+        placement = plan_placement(cfg, cluster_cpus=4, cluster_gpus=0)
+        trainer, _, group = launch_trainer_group(cfg, placement, str(model_dir), uses_gpu=False)
+        return trainer, trainer.ranks, group
+
+    def stop(handles: list[Any], group: Any) -> None:
+        for handle in handles:
+            ray.kill(handle, no_restart=True)
+        if group is not None:
+            ray.util.remove_placement_group(group)
+
+    async def export(trainer: Any, handles: list[Any]) -> Any:
+        if len(handles) == 1:
+            return await handles[0].export_weights_flat.remote()
+        weights, statuses = trainer.export_weights_flat_refs()
+        await trainer.wait_exported(statuses)
+        return await weights
+
+    after: dict[int, dict[str, torch.Tensor]] = {}
+    for ranks in (1, 2):
+        trainer, handles, group = start(ranks)
+        try:
+            after[ranks] = flat_params(
+                asyncio.run(_first_step_then_export(trainer, handles, batch, export))
+            )
+            result[f"dp{ranks}_tokens_per_s"] = round(
+                asyncio.run(timed_steps(trainer, batch, args.steps)), 1
+            )
+        finally:
+            stop(handles, group)
+    result["dp2_over_dp1_tokens_per_s"] = round(
+        result["dp2_tokens_per_s"] / result["dp1_tokens_per_s"], 3
+    )
+    result["dp2_max_param_diff"] = max(
+        float((after[2][name] - value).abs().max()) for name, value in after[1].items()
+    )
+    result["load_average_1m_end"] = os.getloadavg()[0]
+    ray.shutdown()
+    return result
+
+
+async def _first_step_then_export(trainer: Any, handles: list[Any], batch: Any, export: Any) -> Any:
+    await one_step(trainer, batch)
+    return await export(trainer, handles)
+
+
+# ---------------------------------------------------------------------------- GPU
+
+
+def gpu_mode(args: argparse.Namespace) -> dict[str, Any]:
+    """FSDP2 at size 1 against the single-process trainer, on one GPU (see the docstring)."""
+    from gpu_common import QWEN2_SIZES, build_model_folder
+
+    from tandemrl.training.policy_worker import PolicyWorker
+    from tandemrl.training.rank_group import (
+        join_rank_group,
+        leave_rank_group,
+        open_rank_rendezvous,
+    )
+    from tandemrl.training.sharded_workers import ShardedPolicyWorker
+
+    if not torch.cuda.is_available():
+        raise SystemExit("--mode gpu needs a CUDA device")
+    model_dir = build_model_folder(args.size, Path(args.model_dir), device="cuda")
+    cfg = load_config(
+        "examples/configs/grpo_gpu_1x.yaml",
+        (
+            f"policy.model_name={model_dir}",
+            "policy.device=cuda",
+            f"policy.train_micro_batch_size={args.micro_batch}",
+            f"policy.max_total_sequence_length={args.length}",
+        ),
+    )
+    vocab = int(QWEN2_SIZES[args.size]["vocab_size"])
+    batch = random_batch(args.rows, args.length, args.length // 8, vocab, 0)
+    tokens = int(batch["attention_mask"].sum())
+    loss_tokens = count_loss_tokens(batch)
+
+    def step_times(worker: Any) -> list[float]:
+        asyncio.run(one_step(worker, batch))  # warm-up
+        times = []
+        for _ in range(args.repeats):
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            asyncio.run(one_step(worker, batch))
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - started)
+        return times
+
+    single = PolicyWorker(cfg.policy, cfg.loss_fn, seed=0)
+    params = sum(p.numel() for p in single.model.parameters())
+    single_times = step_times(single)
+    del single
+    torch.cuda.empty_cache()
+
+    store, address = open_rank_rendezvous(1, 120.0, "nccl")
+    join_rank_group(address, 0, store=store, device=torch.device("cuda", 0))
+    try:
+        sharded = ShardedPolicyWorker(cfg.policy, cfg.loss_fn, seed=0)
+        sharded_times = step_times(sharded)
+    finally:
+        leave_rank_group()
+    single_s = statistics.median(single_times)
+    sharded_s = statistics.median(sharded_times)
+    peak = args.peak_tflops * 1e12
+    return {
+        "mode": "gpu",
+        "device": torch.cuda.get_device_name(),
+        "size": args.size,
+        "params": params,
+        "tokens_per_step": tokens,
+        "loss_tokens_per_step": loss_tokens,
+        "repeats": args.repeats,
+        "single_step_s": round(single_s, 4),
+        "fsdp1_step_s": round(sharded_s, 4),
+        "fsdp1_over_single_step_time": round(sharded_s / single_s, 3),
+        "single_tokens_per_s": round(tokens / single_s, 1),
+        "fsdp1_tokens_per_s": round(tokens / sharded_s, 1),
+        "mfu": round(6 * params * tokens / sharded_s / peak, 4),
+        "mfu_single": round(6 * params * tokens / single_s / peak, 4),
+        "peak_tflops": args.peak_tflops,
+        "single_step_times_s": [round(t, 4) for t in single_times],
+        "fsdp1_step_times_s": [round(t, 4) for t in sharded_times],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--mode", choices=("cpu", "gpu"), default="cpu")
+    parser.add_argument("--steps", type=int, default=4, help="cpu: timed steps per size")
+    parser.add_argument("--repeats", type=int, default=5, help="gpu: timed steps per trainer")
+    parser.add_argument("--rows", type=int, default=None)
+    parser.add_argument("--length", type=int, default=None)
+    parser.add_argument("--micro-batch", type=int, default=None)
+    parser.add_argument("--size", default="0.5b", help="gpu: a gpu_common.QWEN2_SIZES key")
+    parser.add_argument("--model-dir", default="/tmp/trainer_scaling_model")
+    parser.add_argument("--peak-tflops", type=float, default=H200_BF16_PEAK_TFLOPS)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if args.mode == "cpu":
+        args.rows, args.length = args.rows or 32, args.length or 64
+        args.micro_batch = args.micro_batch or 8
+        result = cpu_mode(args)
+    else:
+        args.rows, args.length = args.rows or 8, args.length or 1024
+        args.micro_batch = args.micro_batch or 8
+        result = gpu_mode(args)
+    print("RESULT", json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
