@@ -636,7 +636,7 @@ class SingleController:
             return
         step = group.target_step if group.target_step is not None else self.trainer_version
         self.state.dropped_for_step[step] += 1
-        self._groups_for_step(step)
+        self._groups_for_step(step)  # raises StepShrunkTooFar below the step's floor
 
     def _replace_dropped(self, slot: Slot) -> None:
         """Fill the dropped group's place: move a ready group of a later step forward when one
@@ -750,7 +750,10 @@ class SingleController:
                 planned_sequences = groups_wanted * self.settings.group_size
             claimed.extend(slots)
             await self._train_chunk(slots, version, step_num_sequences=planned_sequences)
-        assert began  # the floor is at least one group: a chunk trained
+        if not began:
+            # Unreachable while the floor holds (at least one group, see _groups_for_step);
+            # kept so that a step never begun can never be finished.
+            raise RuntimeError(f"step {version} assembled no group: refusing to finish it")
         # The previous step's tail ends before this step's optimizer step changes the weights
         # it exports and checkpoints.
         await self._await_step_tail()

@@ -18,11 +18,12 @@ the trainer's own logprobs as ``prev_logprobs``, then gradient accumulation; ``f
 exactly one optimizer step. Chunks are trained as they come, before the step's size is known,
 so they defer the normalisation to the trainer (``step_num_tokens=None``): its
 ``finish_train_step`` rescales the accumulated gradient by the valid tokens (token mean) or
-the rows (sequence mean) its chunks held. With ``loss_fn.reuse_training_logprobs`` the chunk goes to the
-trainer without ``prev_logprobs`` and the training forward supplies them (one forward pass
-per step fewer; exact because the weights change only in ``finish``). With a KL penalty
-(``loss_fn.reference_policy_kl_penalty > 0``) each chunk also gets the frozen reference
-policy's logprobs (``reference_logprobs``, from the trainer's ``get_reference_logprobs``).
+the rows (sequence mean) its chunks held. With ``loss_fn.reuse_training_logprobs`` the chunk
+goes to the trainer without ``prev_logprobs`` and the training forward supplies them (one
+forward pass per step fewer; exact because the weights change only in ``finish``). With a KL
+penalty (``loss_fn.reference_policy_kl_penalty > 0``) each chunk also gets the frozen
+reference policy's logprobs (``reference_logprobs``, from the trainer's
+``get_reference_logprobs``).
 """
 
 from __future__ import annotations
