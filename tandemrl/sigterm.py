@@ -16,6 +16,12 @@ graceful stop that the same signal had asked the driver for. So:
   starts it: vLLM's engine core, which vLLM stops with SIGTERM and kills only after a
   timeout (``tandemrl.generation.vllm_engine``).
 
+Servers that ignore SIGTERM also take their children down less gracefully: the raylet's
+agents (dashboard agent, runtime-env agent) outlive a raylet that was SIGKILLed, waiting on a
+GCS that is gone, for half a minute and more. ``ProcessTree`` notes the servers' children
+before Ray stops and kills those still alive after it (each identified by its start time too,
+so a reused pid is never touched).
+
 The mask is per thread: ``sigterm_blocked`` changes only the calling thread's (the servers are
 started from it), and ``unblock_sigterm`` the calling thread's, which is what the processes it
 starts from then on inherit.
@@ -23,6 +29,7 @@ starts from then on inherit.
 
 from __future__ import annotations
 
+import os
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -52,3 +59,52 @@ def blocked_signals(pid: int | str = "self") -> set[signal.Signals]:
             mask = int(line.split()[1], 16)
             return {sig for sig in signal.Signals if mask & (1 << (sig - 1))}
     raise ValueError(f"/proc/{pid}/status has no SigBlk line")
+
+
+def _parent_and_start(pid: int) -> tuple[int, int] | None:
+    """(parent pid, start time in clock ticks) of a running process, from ``/proc/PID/stat``;
+    None when there is none (or only a zombie waiting to be reaped)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # The command name (field 2) is in parentheses and may hold spaces: split after it.
+    fields = stat[stat.rindex(")") + 2 :].split()
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[1]), int(fields[19])
+
+
+class ProcessTree:
+    """The descendants of some processes, noted now, to be killed later if still alive."""
+
+    def __init__(self, roots: list[int]) -> None:
+        known: dict[int, tuple[int, int]] = {}
+        proc = Path("/proc")
+        if proc.is_dir():
+            for entry in proc.iterdir():
+                if entry.name.isdigit() and (info := _parent_and_start(int(entry.name))):
+                    known[int(entry.name)] = info
+        found: dict[int, int] = {}
+        frontier = set(roots)
+        while frontier:
+            children = {
+                pid for pid, (parent, _) in known.items() if parent in frontier and pid not in found
+            }
+            found.update({pid: known[pid][1] for pid in children})
+            frontier = children
+        self.descendants = found  # pid -> start time
+
+    def kill_survivors(self) -> list[int]:
+        """SIGKILL every noted descendant that is still the same process; the pids killed."""
+        killed = []
+        for pid, started in self.descendants.items():
+            info = _parent_and_start(pid)
+            if info is None or info[1] != started:
+                continue
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            killed.append(pid)
+        return killed

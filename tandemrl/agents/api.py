@@ -10,13 +10,13 @@ every call made with it is a captured turn of this episode. See docs/agents.md.
 
 from __future__ import annotations
 
-import importlib
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
 from tandemrl.records import PromptItem
+from tandemrl.targets import import_target_class
 
 
 @dataclass
@@ -72,19 +72,4 @@ def check_agent_result(value: object) -> AgentResult:
 
 def import_agent_class(target: str) -> type[Agent]:
     """Import ``env.target`` (``"module:ClassName"``) and check that it is an ``Agent``."""
-    module_name, separator, class_name = target.partition(":")
-    if not separator or not module_name or not class_name:
-        raise ValueError(f"env.target={target!r} must have the form 'module:ClassName'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ImportError(
-            f"env.target={target!r}: cannot import module {module_name!r}: {error}; list the "
-            "folder that holds it in env.python_path (or install it as a package)"
-        ) from error
-    agent_class = getattr(module, class_name, None)
-    if agent_class is None:
-        raise ImportError(f"env.target={target!r}: module {module_name!r} has no {class_name!r}")
-    if not isinstance(agent_class, type) or not issubclass(agent_class, Agent):
-        raise TypeError(f"env.target={target!r} is not a subclass of tandemrl.agents.Agent")
-    return agent_class
+    return import_target_class(target, Agent, "tandemrl.agents.Agent")

@@ -78,7 +78,11 @@ class DistillationStepRunner:
         for part in (scored, unscored):
             if part:
                 batch = await self.advantage_stage(part, rows)
-                await self.trainer.train_microbatches(batch, step_num_sequences=step_num_sequences)
+                # Deferred normalisation, as GRPO's (``step_runner``): exact over the rows
+                # the step trains, also when a drop shrank it after its first chunk.
+                await self.trainer.train_microbatches(
+                    batch, step_num_sequences=step_num_sequences, step_num_tokens=None
+                )
 
     async def advantage_stage(self, slots: list[Slot], rows: StepRows) -> TrainBatch:
         """The chunk's batch with ``prev_logprobs``, ``teacher_logprobs`` and ``advantages``."""

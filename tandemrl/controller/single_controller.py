@@ -101,6 +101,14 @@ class ControllerSettings:
     # async_rl.in_flight_weight_updates false: the drain gate, with drain_timeout_s.
     drain_timeout_s: float | None = None
 
+    def __post_init__(self) -> None:
+        # The config model refuses it too; a step must never be allowed to shrink to nothing.
+        if not 0.0 < self.min_step_batch_fraction <= 1.0:
+            raise ValueError(
+                "async_rl.rollout_failure.min_step_batch_fraction must be in (0, 1], got "
+                f"{self.min_step_batch_fraction}"
+            )
+
 
 StepHook = Callable[["SingleController", dict[str, float]], Awaitable[None]]
 
@@ -621,21 +629,14 @@ class SingleController:
             self.events.dropped(group)
 
     def _after_drop(self, group: UnfinishedGroup, slot: Slot) -> None:
-        """A dropped group: replace it from the reserve, or let its step train short."""
+        """A dropped group: replace it from the reserve, or let its step train short (ends the
+        run with StepShrunkTooFar below the floor; see ``_groups_for_step``)."""
         if self.settings.on_dropped_prompt == "replace" and self.run_state.replacement_reserve:
             self._replace_dropped(slot)
             return
         step = group.target_step if group.target_step is not None else self.trainer_version
         self.state.dropped_for_step[step] += 1
-        floor = math.ceil(
-            self.settings.num_prompts_per_step * self.settings.min_step_batch_fraction
-        )
-        if self._groups_for_step(step) < floor:
-            raise StepShrunkTooFar(
-                f"step {step} lost {self.state.dropped_for_step[step]} prompt group(s) and would train "
-                f"{self._groups_for_step(step)} < ceil(num_prompts_per_step * "
-                f"async_rl.rollout_failure.min_step_batch_fraction) = {floor}"
-            )
+        self._groups_for_step(step)  # raises StepShrunkTooFar below the step's floor
 
     def _replace_dropped(self, slot: Slot) -> None:
         """Fill the dropped group's place: move a ready group of a later step forward when one
@@ -667,7 +668,25 @@ class SingleController:
         self._acc.replaced_prompts += 1
 
     def _groups_for_step(self, step: int) -> int:
-        return self.settings.num_prompts_per_step - self.state.dropped_for_step.get(step, 0)
+        """The groups step ``step`` trains: num_prompts_per_step less its dropped prompts.
+
+        Below the floor, ceil(num_prompts_per_step x min_step_batch_fraction) (at least 1: the
+        fraction is above 0), it raises StepShrunkTooFar. Both pumps ask: the rollout pump
+        when a drop shrinks a step, the train pump whenever it sizes the step it assembles,
+        so a step emptied by drops ends the run with this error and is never trained.
+        """
+        dropped = self.state.dropped_for_step.get(step, 0)
+        groups = self.settings.num_prompts_per_step - dropped
+        floor = math.ceil(
+            self.settings.num_prompts_per_step * self.settings.min_step_batch_fraction
+        )
+        if groups < floor:
+            raise StepShrunkTooFar(
+                f"step {step} lost {dropped} prompt group(s) and would train {groups} < "
+                "ceil(num_prompts_per_step * async_rl.rollout_failure.min_step_batch_fraction) "
+                f"= {floor}"
+            )
+        return groups
 
     # ------------------------------------------------------------------ train pump
 
@@ -683,8 +702,14 @@ class SingleController:
 
     async def _train_one_step(self) -> bool:
         version = self.trainer_version
+        # Re-read after every wait: drops shrink the step meanwhile (never below its floor,
+        # which is at least one group, so the loop below trains a chunk before it ends).
         groups_wanted = self._groups_for_step(version)
         claimed: list[Slot] = []
+        # The step's size as planned when its first chunk trained: every chunk passes it (the
+        # trainer refuses a count that changes within a step); a drop after that leaves the
+        # step fewer rows, and the step runner normalises by the rows the step trains.
+        planned_sequences = 0
         began = False
         if self.dynamic_sampling is not None:
             self.dynamic_sampling.begin_step()
@@ -722,10 +747,13 @@ class SingleController:
                     await self.generation.sleep()
                 await self.step_runner.begin(version=version)
                 began = True
+                planned_sequences = groups_wanted * self.settings.group_size
             claimed.extend(slots)
-            await self._train_chunk(
-                slots, version, step_num_sequences=groups_wanted * self.settings.group_size
-            )
+            await self._train_chunk(slots, version, step_num_sequences=planned_sequences)
+        if not began:
+            # Unreachable while the floor holds (at least one group, see _groups_for_step);
+            # kept so that a step never begun can never be finished.
+            raise RuntimeError(f"step {version} assembled no group: refusing to finish it")
         # The previous step's tail ends before this step's optimizer step changes the weights
         # it exports and checkpoints.
         await self._await_step_tail()

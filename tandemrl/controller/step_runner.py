@@ -8,13 +8,22 @@ weight sync); a ``StepRunner`` owns *how* they are trained. The pump calls
 and after ``finish`` asks ``refit_after_step()`` whether the policy changed (PPO critic
 warm-up trains only the critic, so there is nothing to sync).
 
+``step_num_sequences`` is the step's size as the pump planned it when the step's first chunk
+trained, the same for every chunk of the step. A prompt dropped after that (drop budgets,
+``on_dropped_prompt: shrink``) leaves the step fewer rows: a runner normalises the loss by the
+rows the step actually trains, with one optimizer step per RL step whatever the chunking.
+
 ``GRPOStepRunner``: per chunk, group advantages (leave-one-out baseline, std normalisation),
 the trainer's own logprobs as ``prev_logprobs``, then gradient accumulation; ``finish`` applies
-exactly one optimizer step. With ``loss_fn.reuse_training_logprobs`` the chunk goes to the
-trainer without ``prev_logprobs`` and the training forward supplies them (one forward pass
-per step fewer; exact because the weights change only in ``finish``). With a KL penalty
-(``loss_fn.reference_policy_kl_penalty > 0``) each chunk also gets the frozen reference
-policy's logprobs (``reference_logprobs``, from the trainer's ``get_reference_logprobs``).
+exactly one optimizer step. Chunks are trained as they come, before the step's size is known,
+so they defer the normalisation to the trainer (``step_num_tokens=None``): its
+``finish_train_step`` rescales the accumulated gradient by the valid tokens (token mean) or
+the rows (sequence mean) its chunks held. With ``loss_fn.reuse_training_logprobs`` the chunk
+goes to the trainer without ``prev_logprobs`` and the training forward supplies them (one
+forward pass per step fewer; exact because the weights change only in ``finish``). With a KL
+penalty (``loss_fn.reference_policy_kl_penalty > 0``) each chunk also gets the frozen
+reference policy's logprobs (``reference_logprobs``, from the trainer's
+``get_reference_logprobs``).
 """
 
 from __future__ import annotations
@@ -130,7 +139,10 @@ class GRPOStepRunner:
             batch["prev_logprobs"] = await self.trainer.get_logprobs(batch)
         if self.reference_kl:
             batch["reference_logprobs"] = await reference_logprobs(self.trainer, batch)
-        await self.trainer.train_microbatches(batch, step_num_sequences=step_num_sequences)
+        # step_num_tokens=None: normalised in finish_train_step by what the chunks held.
+        await self.trainer.train_microbatches(
+            batch, step_num_sequences=step_num_sequences, step_num_tokens=None
+        )
 
     async def finish(self) -> dict[str, float]:
         return await self.trainer.finish_train_step()

@@ -18,30 +18,14 @@ from tandemrl.config.models import EnvConfig
 from tandemrl.envs.base import AsyncEnvironment, Environment
 from tandemrl.envs.counting import CountingEnv
 from tandemrl.envs.math import MathEnv
+from tandemrl.targets import import_target_class
 
 BUILTIN_ENVIRONMENTS: dict[str, type[Environment]] = {"counting": CountingEnv, "math": MathEnv}
 
 
 def import_environment_class(target: str) -> type[Environment]:
     """Import ``"module:ClassName"`` and check that it is an ``Environment`` subclass."""
-    module_name, separator, class_name = target.partition(":")
-    if not separator or not module_name or not class_name:
-        raise ValueError(f"env.target={target!r} must have the form 'module:ClassName'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ImportError(
-            f"env.target={target!r}: cannot import module {module_name!r}: {error}; list the "
-            "folder that holds it in env.python_path (or install it as a package)"
-        ) from error
-    env_class = getattr(module, class_name, None)
-    if env_class is None:
-        raise ImportError(f"env.target={target!r}: module {module_name!r} has no {class_name!r}")
-    if not isinstance(env_class, type) or not issubclass(env_class, Environment):
-        raise TypeError(
-            f"env.target={target!r} is not a subclass of tandemrl.envs.base.Environment"
-        )
-    return env_class
+    return import_target_class(target, Environment, "tandemrl.envs.base.Environment")
 
 
 def add_python_path(cfg: EnvConfig) -> list[Path]:

@@ -49,10 +49,14 @@ class Trainer(Protocol):
         the whole step's valid-token count, sum(token_mask x sample_mask) over every chunk
         (``tandemrl.training.batch.count_loss_tokens``), when the caller knows it up front:
         the token-mean loss divides by it, and ``finish_train_step`` checks that the chunks
-        held that many. None (streaming: the step's size is not known yet) defers the
-        normalization: ``finish_train_step`` rescales the accumulated gradient by the token
-        count it saw. Either way the step's gradient equals the unsplit step's. Pass it to
-        every chunk of a step or to none; 0 raises ``AllMaskedStepError``.
+        held that many tokens in ``step_num_sequences`` rows. None (streaming: the step's size
+        is not known yet) defers the normalization: ``step_num_sequences`` is then a
+        provisional constant, the same for every chunk of the step (the step as planned; a
+        dropped prompt may leave it fewer rows), and ``finish_train_step`` rescales the
+        accumulated gradient by the token count (token mean) or the row count (sequence mean)
+        it saw. Either way the step's gradient equals the unsplit step's over the rows it
+        trained. Pass it to every chunk of a step or to none; 0 raises ``AllMaskedStepError``;
+        a ``step_num_sequences`` that changes within a step raises ``TrainStepError``.
         """
 
     async def finish_train_step(self) -> dict[str, float]:

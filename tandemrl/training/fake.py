@@ -4,6 +4,12 @@ It implements the ``Trainer`` contract without a model. ``train_seconds_per_step
 over the step's chunks in proportion to their sequences, so a streamed step costs the same
 as an unstreamed one. The sleep is ``asyncio.sleep``: in a real run the trainer is another
 process, so the controller's event loop stays free while it trains.
+
+It drives the split step through the workers' own bookkeeping (``worker_common.StepTracker``),
+so it refuses what the policy worker refuses, with the same errors: a begin while a step is
+open, a chunk or a finish outside a step, a ``step_num_sequences`` that changes within a step,
+declared counts the chunks do not hold, a step without a valid token. A controller bug that a
+real run would hit then fails the tests that use this fake.
 """
 
 from __future__ import annotations
@@ -17,12 +23,17 @@ from typing import Any
 import torch
 
 from tandemrl.training.api import TrainBatch
+from tandemrl.training.batch import count_loss_tokens
+from tandemrl.training.worker_common import StepTracker
 
 
 @dataclass
 class RecordedStep:
     optimizer_step: int
     chunks: list[TrainBatch] = field(default_factory=list)
+
+    # The step_num_sequences its chunks declared (one value: the tracker refuses a change).
+    declared_sequences: int | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -36,6 +47,7 @@ class FakeTrainer:
         self.steps: list[RecordedStep] = []
         self.optimizer_steps = 0
         self._open: RecordedStep | None = None
+        self._step = StepTracker()
         self.weights_version = 0  # bumped per optimizer step; what export_weights hands out
         self.reference_calls = 0
 
@@ -48,16 +60,21 @@ class FakeTrainer:
         return batch["generation_logprobs"].clone()
 
     async def begin_train_step(self) -> None:
-        if self._open is not None:
-            raise RuntimeError("begin_train_step called twice without finish_train_step")
+        self._step.begin()
         self._open = RecordedStep(optimizer_step=self.optimizer_steps)
 
     async def train_microbatches(
         self, batch: TrainBatch, *, step_num_sequences: int, step_num_tokens: int | None = None
     ) -> dict[str, float]:
-        if self._open is None:
-            raise RuntimeError("train_microbatches called outside a train step")
         num_sequences = int(batch["input_ids"].shape[0])
+        self._step.declare(
+            step_num_sequences=step_num_sequences,
+            step_num_tokens=step_num_tokens,
+            num_sequences=num_sequences,
+        )
+        self._step.add({"num_tokens": float(count_loss_tokens(batch))})
+        assert self._open is not None  # the tracker refused a chunk outside a step
+        self._open.declared_sequences = step_num_sequences
         if self.train_seconds_per_step > 0:
             await asyncio.sleep(self.train_seconds_per_step * num_sequences / step_num_sequences)
         self._open.chunks.append(
@@ -66,8 +83,14 @@ class FakeTrainer:
         return {"loss": 0.0}
 
     async def finish_train_step(self) -> dict[str, float]:
-        if self._open is None:
-            raise RuntimeError("finish_train_step called outside a train step")
+        try:
+            self._step.check_finish()
+        except Exception:
+            self._open = None  # refused: the step is discarded, as the worker discards it
+            self._step.end()
+            raise
+        self._step.end()
+        assert self._open is not None
         self.steps.append(self._open)
         self._open = None
         self.optimizer_steps += 1

@@ -39,7 +39,8 @@ Normalization (the loss is a sum over the *whole RL step*, which may arrive in c
   ``worker_common.StepTracker``.) Dropped tokens (icepop / seq-mask-tis) stay in
   N_tokens: the correction removes their gradient, it does not re-weight the others.
 - sequence mean: each sequence's token mean, summed and divided by ``num_step_sequences``
-  (the number of sequences of the whole step; a sequence with sample_mask 0 adds 0).
+  (the number of sequences of the whole step; a sequence with sample_mask 0 adds 0). A
+  streaming worker rescales it the same way once the step's rows are known.
 
 A step whose valid-token count is 0 raises ``AllMaskedStepError``: every completion was
 filtered, and training on nothing must not pass for a step.

@@ -14,11 +14,13 @@ One RL step::
     train_microbatches(chunk, step_num_sequences=S, step_num_tokens=N)   once per chunk
     finish_train_step()            clip, exactly one optimizer step, metrics
 
-Gradients of all chunks accumulate into one optimizer step. Token-mean normalization over the
-whole step (see ``tandemrl.training.losses``): with ``step_num_tokens=N`` every micro-batch
-loss is its token sum / N; without it (streaming, N unknown until the last chunk) the sums are
-divided by ``step_num_sequences`` and ``finish_train_step`` rescales the accumulated gradient
-by step_num_sequences / N before clipping. Both give the gradient of the unsplit step.
+Gradients of all chunks accumulate into one optimizer step. Normalization over the whole step
+(see ``tandemrl.training.losses``): with ``step_num_tokens=N`` every micro-batch loss is its
+token sum / N (sequence mean: its sequences' means / S); without it (streaming, the step's size
+unknown until the last chunk) the sums are divided by ``step_num_sequences``, a provisional
+constant, and ``finish_train_step`` rescales the accumulated gradient by S / N (sequence mean:
+S / the rows the chunks held) before clipping. Both give the gradient of the unsplit step of
+the rows actually trained, also when a dropped prompt left the step fewer than S rows.
 A step whose chunks hold no valid token raises ``AllMaskedStepError`` and takes no step.
 
 Logprobs: entry t of the returned [B, L] tensor is log p(input_ids[t] | input_ids[:t]), 0 at
@@ -517,6 +519,7 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
         normalizer = self._step.declare(
             step_num_sequences=step_num_sequences,
             step_num_tokens=step_num_tokens,
+            num_sequences=int(batch["input_ids"].shape[0]),
         )
         self.model.train()
         batch, _ = sort_rows_by_length(batch)
@@ -551,10 +554,12 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
         for metrics in metrics_to_floats(device_metrics):
             chunk.add(metrics)
             self._step.add(metrics)
-        # Report the chunk's own token-mean loss (its share of the step is not final while
-        # the step's token count is still unknown).
-        token_level = self.loss_cfg.token_level_loss
-        scale = normalizer / chunk.valid_tokens if token_level and chunk.valid_tokens else 1.0
+        # Report the chunk's own mean loss (its share of the step is not final while the
+        # step's size is still unknown).
+        if self.loss_cfg.token_level_loss:
+            scale = normalizer / chunk.valid_tokens if chunk.valid_tokens else 1.0
+        else:
+            scale = step_num_sequences / int(batch["input_ids"].shape[0])
         return chunk.summary(scale)
 
     def _idle_passes(self, count: int, *, train: bool) -> None:
@@ -582,13 +587,17 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
 
     def _finish_train_step(self) -> dict[str, float]:
         try:
-            # Over every rank: the step's tokens normalise the loss wherever they were trained.
+            # Over every rank: the step's tokens (rows, for a sequence mean) normalise the loss
+            # wherever they were trained.
             valid_tokens = self.replicas.sum_int(self._step.valid_tokens)
-            self._step.check_finish(valid_tokens)
+            sequences = self.replicas.sum_int(self._step.sequences)
+            self._step.check_finish(valid_tokens, sequences)
             self._offload.reload()
             lr = float(self.scheduler.get_last_lr()[0])
             scale = self._step.gradient_scale(
-                token_level=self.loss_cfg.token_level_loss, valid_tokens=valid_tokens
+                token_level=self.loss_cfg.token_level_loss,
+                valid_tokens=valid_tokens,
+                sequences=sequences,
             )
             scale_gradients(self.model.parameters(), scale)
             grad_norm = self._clip_gradients()
@@ -596,12 +605,12 @@ class PolicyWorker(SplitStepWorkerAPI, WeightSenderHost):
             self.scheduler.step()
         except Exception:
             self.optimizer.zero_grad(set_to_none=True)
-            self._step.active = False
+            self._step.end()
             raise
         self.optimizer.zero_grad(set_to_none=True)
         self.optimizer_steps += 1
         metrics = self._step.summary(scale)
-        self._step.active = False
+        self._step.end()
         # CPU seconds this process spent since the previous step's end (the whole step's
         # trainer work, weight export included, when the worker has a process of its own):
         # comparable across runs on a loaded machine, unlike wall-clock times.

@@ -11,7 +11,8 @@ built (``fsdp.shard_model``: every decoder layer, then the root: ``PolicyForward
 - each rank trains the rows it is given; the number of passes is agreed first and a rank with
   fewer micro-batches takes idle passes, so FSDP2's collectives line up;
 - the token-mean loss divides by the step's token count over every rank (given up front, or
-  all-reduced in ``finish_train_step`` when chunks stream), and FSDP2 sums the gradients, so a
+  all-reduced in ``finish_train_step`` when chunks stream; a sequence mean likewise by the
+  step's rows over every rank), and FSDP2 sums the gradients, so a
   step at N ranks is the step at one rank up to float rounding;
 - the gradient norm is taken over every rank's shards (one all-reduce) and clipping applies the
   same coefficient everywhere; every rank then takes exactly one optimizer step.
@@ -149,7 +150,11 @@ class ShardedPolicyWorker(PolicyWorker):
     ) -> dict[str, float]:
         if batch is not None:
             return super()._train_microbatches(batch, step_num_sequences, step_num_tokens)
-        self._step.declare(step_num_sequences=step_num_sequences, step_num_tokens=step_num_tokens)
+        self._step.declare(
+            step_num_sequences=step_num_sequences,
+            step_num_tokens=step_num_tokens,
+            num_sequences=0,
+        )
         self.model.train()
         self._idle_passes(self.replicas.max_int(0), train=True)
         return StepTracker().summary()
@@ -312,7 +317,11 @@ class ShardedValueWorker(ValueWorker):
     ) -> dict[str, float]:
         if batch is not None:
             return super()._train_microbatches(batch, step_num_sequences, step_num_tokens)
-        self._step.declare(step_num_sequences=step_num_sequences, step_num_tokens=step_num_tokens)
+        self._step.declare(
+            step_num_sequences=step_num_sequences,
+            step_num_tokens=step_num_tokens,
+            num_sequences=0,
+        )
         self.backbone.train()
         self._idle_passes(self.replicas.max_int(0), train=True)
         return StepTracker().summary()

@@ -11,6 +11,8 @@ as the unsharded worker:
   ``step_num_tokens``; a rank without rows gets ``None`` and only takes the passes the others
   need. Logprobs and values come back in the batch's row order.
 - ``begin_train_step`` / ``finish_train_step`` / checkpoints / the final model: every rank.
+  A split-step call out of order (a finish without a begin, ...) is refused here with the
+  unsharded worker's ``TrainStepError``, before any rank sees it.
   Metrics are merged (``merge_metrics``): summed losses and token counts, token-weighted means,
   maxima; grad norm and lr are the same on every rank.
 - ``export_weights_flat_refs``: the full weights, gathered one tensor at a time, as rank 0's
@@ -45,6 +47,7 @@ from typing import Any
 import torch
 
 from tandemrl.training.api import TrainBatch
+from tandemrl.training.worker_common import TrainStepError
 
 log = logging.getLogger(__name__)
 
@@ -219,6 +222,9 @@ class ShardedTrainer:
         self.token_level_loss = token_level_loss
         self._caller = uuid.uuid4().hex
         self._seq = 0
+        # Whether a split step is open on the ranks: a call out of order is refused here,
+        # before it reaches them, with the error one process gives (not as a rank failure).
+        self._step_open = False
 
     def __getstate__(self) -> dict[str, Any]:
         # A copy in another process is another caller with a sequence of its own.
@@ -347,18 +353,31 @@ class ShardedTrainer:
     async def get_values(self, batch: TrainBatch) -> torch.Tensor:
         return await self._rows_back("_get_values", batch)
 
+    def _require_step(self, what: str) -> None:
+        if not self._step_open:
+            raise TrainStepError(f"{what} called outside a train step: call begin_train_step first")
+
     async def begin_train_step(self) -> None:
+        if self._step_open:
+            raise TrainStepError(
+                "begin_train_step called while a step is open; call finish_train_step first"
+            )
         await self._all("_begin_train_step")
+        self._step_open = True
 
     async def train_microbatches(
         self, batch: TrainBatch, *, step_num_sequences: int, step_num_tokens: int | None = None
     ) -> dict[str, float]:
+        self._require_step("train_microbatches")
         _, results = await self._split(
             "_train_microbatches", batch, step_num_sequences, step_num_tokens
         )
         return merge_metrics(results, mean_loss=self.token_level_loss)
 
     async def finish_train_step(self) -> dict[str, float]:
+        self._require_step("finish_train_step")
+        # Closed whatever the ranks answer: each ends its step, applied or refused.
+        self._step_open = False
         return merge_metrics(await self._all("_finish_train_step"), mean_loss=False)
 
     async def save_checkpoint(self, directory: Path, *, save_optimizer: bool) -> None:

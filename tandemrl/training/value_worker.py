@@ -197,6 +197,7 @@ class ValueWorker(SplitStepWorkerAPI):
         normalizer = self._step.declare(
             step_num_sequences=step_num_sequences,
             step_num_tokens=step_num_tokens,
+            num_sequences=int(batch["input_ids"].shape[0]),
         )
         self.backbone.train()
         chunk = StepTracker()
@@ -221,9 +222,11 @@ class ValueWorker(SplitStepWorkerAPI):
 
     def _finish_train_step(self) -> dict[str, float]:
         try:
-            # Over every rank: the step's tokens normalise the loss wherever they were trained.
+            # Over every rank: the step's tokens (rows, for a sequence mean) normalise the loss
+            # wherever they were trained.
             valid_tokens = self.replicas.sum_int(self._step.valid_tokens)
-            self._step.check_finish(valid_tokens)
+            sequences = self.replicas.sum_int(self._step.sequences)
+            self._step.check_finish(valid_tokens, sequences)
             lr = float(self.scheduler.get_last_lr()[0])
             scale = self._step.gradient_scale(token_level=True, valid_tokens=valid_tokens)
             scale_gradients(self._parameters(), scale)
@@ -232,12 +235,12 @@ class ValueWorker(SplitStepWorkerAPI):
             self.scheduler.step()
         except Exception:
             self.optimizer.zero_grad(set_to_none=True)
-            self._step.active = False
+            self._step.end()
             raise
         self.optimizer.zero_grad(set_to_none=True)
         self.optimizer_steps += 1
         metrics = self._step.summary(scale)
-        self._step.active = False
+        self._step.end()
         metrics.update(
             {"grad_norm": grad_norm, "lr": lr, "optimizer_steps": float(self.optimizer_steps)}
         )

@@ -192,19 +192,24 @@ class OptimizerOffload:
 class StepTracker:
     """Bookkeeping of one split RL step: begin -> chunks -> finish.
 
-    Token-mean normalization of a step that arrives in chunks, two ways:
+    Normalization of a step that arrives in chunks, two ways:
 
-    - ``step_num_tokens`` given (the caller knows the whole step's valid-token count N up
-      front): every micro-batch loss is its token sum / N, gradients accumulate to exactly
-      the unsplit step's; ``finish`` checks that the chunks really held N tokens.
-    - ``step_num_tokens`` None (streaming: chunks are trained as they arrive and N is not
-      known yet): every micro-batch loss is its token sum / ``step_num_sequences`` (a
-      provisional constant shared by all chunks), and ``finish`` multiplies the accumulated
-      gradient by step_num_sequences / N once N is known, before clipping. Gradients are
-      linear in the loss, so the result is the same token mean.
+    - ``step_num_tokens`` given (the caller knows the whole step up front: N valid tokens in
+      ``step_num_sequences`` rows): every micro-batch loss is its token sum / N (token mean)
+      or its sequences' means / ``step_num_sequences`` (sequence mean), gradients accumulate
+      to exactly the unsplit step's; ``finish`` checks that the chunks really held N tokens
+      in ``step_num_sequences`` rows.
+    - ``step_num_tokens`` None (streaming: chunks are trained as they arrive and the step's
+      size is not known yet): ``step_num_sequences`` is a provisional constant shared by all
+      chunks (the step as planned; a dropped prompt may leave it fewer rows). Every
+      micro-batch loss is its token sum, or its sequences' means, / that constant, and
+      ``finish`` multiplies the accumulated gradient by constant / N (token mean) or
+      constant / the rows the chunks held (sequence mean) before clipping. Gradients are
+      linear in the loss, so the result is the mean over the rows the step actually trained.
 
-    Sequence-mean losses always divide by ``step_num_sequences`` and need no correction.
-    Also aggregates the per-micro-batch metrics (token-weighted means, maxima, sums).
+    ``begin`` refuses a step already open and ``require_active`` a call outside one (the
+    fake trainer runs the same checks). Also aggregates the per-micro-batch metrics
+    (token-weighted means, maxima, sums).
     """
 
     MAX_KEYS = ("is_weight_max",)
@@ -217,6 +222,7 @@ class StepTracker:
     def reset(self) -> None:
         self.chunks = 0
         self.valid_tokens = 0
+        self.sequences = 0  # rows of every chunk, sample_mask 0 included (they count too)
         self.declared_tokens: int | None = None
         self.declared_sequences: int | None = None
         self.deferred: bool | None = None
@@ -224,15 +230,26 @@ class StepTracker:
         self._weights: dict[str, float] = {}
 
     def begin(self) -> None:
+        if self.active:
+            raise TrainStepError(
+                "begin_train_step called while a step is open; call finish_train_step first"
+            )
         self.reset()
         self.active = True
+
+    def end(self) -> None:
+        """The step is over (applied, or refused by ``check_finish``)."""
+        self.active = False
 
     def require_active(self, what: str) -> None:
         if not self.active:
             raise TrainStepError(f"{what} called outside a train step: call begin_train_step first")
 
-    def declare(self, *, step_num_sequences: int, step_num_tokens: int | None) -> int:
-        """Record one chunk's declared step sizes; returns the token normalizer to use."""
+    def declare(
+        self, *, step_num_sequences: int, step_num_tokens: int | None, num_sequences: int
+    ) -> int:
+        """Record one chunk's declared step sizes and its ``num_sequences`` rows; returns the
+        token normalizer to use."""
         self.require_active("train_microbatches")
         if step_num_sequences <= 0:
             raise TrainStepError(f"step_num_sequences must be positive, got {step_num_sequences}")
@@ -257,6 +274,7 @@ class StepTracker:
         self.declared_tokens = step_num_tokens
         self.declared_sequences = step_num_sequences
         self.chunks += 1
+        self.sequences += num_sequences
         return step_num_sequences if step_num_tokens is None else step_num_tokens
 
     def add(self, metrics: dict[str, float]) -> None:
@@ -271,17 +289,23 @@ class StepTracker:
                 self._sums[key] = self._sums.get(key, 0.0) + value * tokens
                 self._weights[key] = self._weights.get(key, 0.0) + tokens
 
-    def gradient_scale(self, token_level: bool, valid_tokens: int | None = None) -> float:
-        """Factor ``finish`` applies to the accumulated gradient (and summed loss metrics).
+    def gradient_scale(
+        self, token_level: bool, valid_tokens: int | None = None, sequences: int | None = None
+    ) -> float:
+        """Factor ``finish`` applies to the accumulated gradient (and summed loss metrics):
+        the provisional normalizer of a deferred step over the step's real token (token mean)
+        or row (sequence mean) count; 1 when the caller passed the step's counts.
 
-        ``valid_tokens``: the step's count over every rank of a sharded trainer (default: the
-        tokens this tracker saw)."""
-        if not token_level or not self.deferred:
+        ``valid_tokens`` / ``sequences``: the step's counts over every rank of a sharded
+        trainer (default: what this tracker saw)."""
+        if not self.deferred:
             return 1.0
         assert self.declared_sequences is not None
-        return self.declared_sequences / (
-            self.valid_tokens if valid_tokens is None else valid_tokens
-        )
+        if token_level:
+            actual = self.valid_tokens if valid_tokens is None else valid_tokens
+        else:
+            actual = self.sequences if sequences is None else sequences
+        return self.declared_sequences / actual
 
     def summary(self, scale: float = 1.0) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -296,11 +320,14 @@ class StepTracker:
         out["num_chunks"] = float(self.chunks)
         return out
 
-    def check_finish(self, valid_tokens: int | None = None) -> None:
-        """``valid_tokens``: the step's count over every rank (default: this tracker's)."""
+    def check_finish(self, valid_tokens: int | None = None, sequences: int | None = None) -> None:
+        """``valid_tokens`` / ``sequences``: the step's counts over every rank (default: this
+        tracker's)."""
         self.require_active("finish_train_step")
         if valid_tokens is None:
             valid_tokens = self.valid_tokens
+        if sequences is None:
+            sequences = self.sequences
         if valid_tokens == 0:
             raise AllMaskedStepError(
                 "every completion of this RL step is masked out (no chunk held a token with "
@@ -311,6 +338,12 @@ class StepTracker:
                 f"the step's chunks held {valid_tokens} valid tokens but step_num_tokens "
                 f"was {self.declared_tokens}: the loss was normalized by the wrong count "
                 "(a chunk is missing, or the count ignored sample_mask)"
+            )
+        if self.declared_tokens is not None and self.declared_sequences != sequences:
+            raise TrainStepError(
+                f"the step's chunks held {sequences} sequences but step_num_sequences was "
+                f"{self.declared_sequences}: a sequence-mean loss was normalized by the wrong "
+                "count (pass the rows the step holds, or step_num_tokens=None to defer)"
             )
 
 
@@ -405,12 +438,8 @@ class SplitStepWorkerAPI:
     optimizer: torch.optim.Optimizer
 
     def _begin_train_step(self) -> None:
-        if self._step.active:
-            raise RuntimeError(
-                "begin_train_step called while a step is open; call finish_train_step first"
-            )
-        self.optimizer.zero_grad(set_to_none=True)
         self._step.begin()
+        self.optimizer.zero_grad(set_to_none=True)
 
     async def begin_train_step(self) -> None:
         await self._executor.run(self._begin_train_step)

@@ -14,12 +14,15 @@ from chaos_harness import VLM_CHECKPOINTING, VLM_CONFIG, RunShape, dump, run_wit
 pytestmark = pytest.mark.chaos
 
 SHAPE = RunShape(
-    num_prompts=32,
+    num_prompts=64,
     epochs=1,
     prompts_per_step=4,
     generations_per_prompt=2,
     config=VLM_CONFIG,
-    extra=VLM_CHECKPOINTING,
+    # A snapshot attempt every 0.1 s: a light attempt is over within seconds on a fast
+    # machine, and each write lasts milliseconds, so many writes give the poll a chance to
+    # see one (at 0.5 s, CI's machine finished the second attempt before it saw any).
+    extra=(*VLM_CHECKPOINTING, "rollout_checkpointing.snapshot_attempt_interval_s=0.1"),
 )
 POINTS = ["with_buffered_groups", "snapshot_write"]
 

@@ -122,9 +122,11 @@ def test_a_rank_killed_mid_step_fails_the_step_at_once_naming_the_rank(ray_sessi
 
         async def step_with_a_kill() -> float:
             await trainer.begin_train_step()
-            # 16 rows of 60 tokens, 4 micro-batches a rank: several seconds of steps here
+            # 256 rows of 60 tokens a rank, 64 micro-batches: far more than a second of work
+            # on any CPU, so the kill lands inside the step (64 rows were done within the
+            # second on CI's machine); the step ends at the death, not after the work.
             train = asyncio.ensure_future(
-                trainer.train_microbatches(long_batch(64), step_num_sequences=64)
+                trainer.train_microbatches(long_batch(512), step_num_sequences=512)
             )
             await asyncio.sleep(1.0)
             assert not train.done()

@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -45,13 +46,14 @@ from tandemrl.controller.build import build_fake_controller
 from tandemrl.data.dataloader import PromptDataLoader
 from tandemrl.data.dataset import PromptRecord
 from tandemrl.dataplane.base import DataPlaneError
-from tandemrl.generation.fake import FakeGenerationBackend, LatencyModel
+from tandemrl.generation.fake import FakeGenerationBackend
 from tandemrl.records import EnvResult, GenerationResult, PromptItem
 from tandemrl.rollout.ledger import StagedSibling
 from tandemrl.training.fake import FakeTrainer
 
 NUM_PROMPTS = 24
 STOP_AFTER_STEP = 3
+GROUP_SIZE = 2
 EXEMPLAR = "examples/configs/grpo_tiny_cpu_checkpointed.yaml"
 
 
@@ -60,7 +62,7 @@ def make_cfg(checkpoint_dir: Path, *overrides: str):
         EXEMPLAR,
         (
             "grpo.num_prompts_per_step=4",
-            "grpo.num_generations_per_prompt=2",
+            f"grpo.num_generations_per_prompt={GROUP_SIZE}",
             "policy.train_global_batch_size=8",
             "policy.train_micro_batch_size=8",
             "grpo.max_num_steps=1000",
@@ -79,9 +81,68 @@ def make_cfg(checkpoint_dir: Path, *overrides: str):
     )
 
 
-def make_controller(cfg, *, seed: int = 0, stop_after_step: int | None = None):
+class HoldingEngine(FakeGenerationBackend):
+    """The instant fake engine until generation holds the weights of ``hold_from_version``;
+    every request made from then on is held (never answered) until the run stops and cancels
+    it. None: never holds."""
+
+    def __init__(self, *, hold_from_version: int | None, seed: int) -> None:
+        super().__init__(seed=seed)
+        self.hold_from_version = hold_from_version
+        self.held: set[str] = set()  # ids of the requests held now
+
+    async def generate(self, requests):
+        if self.hold_from_version is None or self._version < self.hold_from_version:
+            return await super().generate(requests)
+        request_ids = {request.request_id for request in requests}
+        self.held |= request_ids
+        try:
+            await asyncio.get_running_loop().create_future()  # until cancelled
+        finally:
+            self.held -= request_ids
+        raise AssertionError("a held request was answered")
+
+
+def settle_rollouts(engine: HoldingEngine):
+    """A step hook: wait until the rollout pump is at rest, its buffer full (reserved plus
+    ready groups) and each group in flight held by ``engine``, so that what a step leaves for
+    the next is the same on every machine: the next step's groups committed, and from the
+    holding version on, the groups dispatched after it unfinished, with no sibling staged."""
+
+    async def settle(controller, row) -> None:
+        def at_rest() -> bool:
+            buffer = controller.buffer
+            held_groups, rest = divmod(len(engine.held), GROUP_SIZE)
+            return (
+                len(buffer) == buffer.capacity
+                and rest == 0
+                and held_groups == controller.inflight_count
+            )
+
+        deadline = time.monotonic() + 60
+        while not at_rest():
+            assert time.monotonic() < deadline, (
+                f"the rollouts never came to rest after step {controller.state.step}: buffer "
+                f"{len(controller.buffer)}/{controller.buffer.capacity}, "
+                f"{controller.inflight_count} group(s) in flight, {len(engine.held)} held request(s)"
+            )
+            await asyncio.sleep(0.001)
+
+    return settle
+
+
+def make_controller(
+    cfg,
+    *,
+    seed: int = 0,
+    stop_after_step: int | None = None,
+    hold_from_version: int | None = None,
+):
     records = [PromptRecord(prompt=f"{i:03d}=", answer="123") for i in range(NUM_PROMPTS)]
+    engine = HoldingEngine(hold_from_version=hold_from_version, seed=seed)
     hooks = []
+    if hold_from_version is not None:
+        hooks.append(settle_rollouts(engine))
     if stop_after_step is not None:
 
         async def stop(controller, row) -> None:
@@ -91,12 +152,8 @@ def make_controller(cfg, *, seed: int = 0, stop_after_step: int | None = None):
         hooks.append(stop)
     return build_fake_controller(
         cfg,
-        trainer=FakeTrainer(train_seconds_per_step=0.1),
-        engines=[
-            # Long enough that the groups dispatched right after a version bump are still
-            # generating when a step hook stops the run (the golden bundle needs unfinished ones).
-            FakeGenerationBackend(latency=LatencyModel("uniform", low=0.02, high=0.05), seed=seed)
-        ],
+        trainer=FakeTrainer(),
+        engines=[engine],
         dataloader=PromptDataLoader(records, max_num_epochs=1, seed=3),
         step_hooks=hooks,
     )
@@ -107,15 +164,24 @@ class _Stop(Exception):
 
 
 async def _produce(cfg) -> None:
-    controller = make_controller(cfg, stop_after_step=STOP_AFTER_STEP)
+    # Every step's hook waits until the rollouts are at rest; from version 3 on, generation
+    # holds every request, so the groups dispatched after step 3 are in flight at the stop,
+    # none with a finished sibling, however loaded the machine is.
+    controller = make_controller(
+        cfg, stop_after_step=STOP_AFTER_STEP, hold_from_version=STOP_AFTER_STEP
+    )
     await controller.resume(plan_restore(cfg))
     # A non-empty replacement reserve, so its sidecar exists in every bundle.
     controller.run_state.replacement_reserve = [PromptItem("spare-0", 0, 0, "spare=", answer="1")]
     with pytest.raises(_Stop):
         await controller.run()
-    # The run was cancelled after step 3's checkpoint; its in-flight groups stay in the ledger.
-    # Stage one finished sibling of the first of them (as token capture keeps it).
-    group = controller.rollout_manager.ledger.unfinished()[0]
+    # The run was cancelled after step 3's checkpoint; its in-flight groups (one step's worth,
+    # all held) stay in the ledger. Stage one finished sibling of the first of them (as token
+    # capture keeps it).
+    unfinished = controller.rollout_manager.ledger.unfinished()
+    assert len(unfinished) == 4 and not any(group.staged for group in unfinished)
+    assert len(controller.buffer.ready_groups()) == 4  # step 4's groups, committed
+    group = unfinished[0]
     prompt_ids = controller.rollout_manager.codec.encode(group.item.prompt)
     group.staged[0] = StagedSibling(
         result=GenerationResult(

@@ -11,11 +11,13 @@ import torch
 import torch.nn.functional as F
 from test_policy_worker import build_tiny_qwen2, grads, make_batch, make_worker
 
+from tandemrl.buffer import Slot
 from tandemrl.config.loader import load_config
 from tandemrl.config.models import LossConfig
 from tandemrl.config.validate import ConfigError, validate_single_controller_config
 from tandemrl.controller.step_runner import GRPOStepRunner
 from tandemrl.dataplane.rows import make_training_row
+from tandemrl.records import RowMeta
 from tandemrl.training.batch import collate_rows
 from tandemrl.training.logprob_head import head_logprobs, supports_head_logprobs
 from tandemrl.training.policy_worker import is_right_padded, split_by_rows_and_tokens
@@ -159,11 +161,32 @@ class RecordingTrainer:
         return {}
 
 
-class Slot:
-    def __init__(self, ids: list[str]) -> None:
-        self.sample_ids = ids
-        self.start_weight = 0
-        self.target_step = None
+def committed_slot(group_id: str, sample_ids: list[str], dispatch_index: int) -> Slot:
+    """A ready buffer slot of a two-sibling group whose rows are ``sample_ids``."""
+    rows_meta = [
+        RowMeta(
+            sample_id=sample_id,
+            group_id=group_id,
+            sibling_index=sibling,
+            reward=0.0,
+            sample_mask=1.0,
+            num_prompt_tokens=2,
+            num_completion_tokens=2,
+            truncated=False,
+            start_weight_version=0,
+            end_weight_version=0,
+        )
+        for sibling, sample_id in enumerate(sample_ids)
+    ]
+    return Slot(
+        group_id=group_id,
+        start_weight=0,
+        target_step=None,
+        dispatch_index=dispatch_index,
+        end_weight=0,
+        ready=True,
+        rows_meta=rows_meta,
+    )
 
 
 @pytest.mark.parametrize("reuse", [False, True])
@@ -181,7 +204,7 @@ def test_grpo_runner_skips_get_logprobs_when_reusing(reuse: bool) -> None:
         pad_token_id=0,
         reuse_training_logprobs=reuse,
     )
-    slots = [Slot(["s0", "s1"]), Slot(["s2", "s3"])]
+    slots = [committed_slot("g0", ["s0", "s1"], 0), committed_slot("g1", ["s2", "s3"], 1)]
     asyncio.run(runner.train_chunk(slots, rows, step_num_sequences=4))
     assert trainer.logprob_calls == (0 if reuse else 1)
     assert ("prev_logprobs" in trainer.batches[0]) is not reuse

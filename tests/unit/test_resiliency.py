@@ -221,6 +221,45 @@ def test_shrink_trains_the_step_short_and_never_below_the_floor():
         run(cfg, env=env)
 
 
+class TrainCallLog(FakeTrainer):
+    """A FakeTrainer that logs each call of the split step and what it raised."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    async def begin_train_step(self) -> None:
+        self.calls.append("begin")
+        await super().begin_train_step()
+
+    async def finish_train_step(self):
+        try:
+            return await super().finish_train_step()
+        except Exception as exc:
+            self.calls.append(f"finish raised {type(exc).__name__}")
+            raise
+        finally:
+            self.calls.append("finish")
+
+
+def test_a_step_whose_every_group_is_dropped_ends_the_run_and_never_reaches_the_trainer():
+    """The last of step 0's four groups drops while the train pump waits for them: the run
+    ends with StepShrunkTooFar, and the train pump never asks the trainer to finish a step
+    it did not begin (it used to: it woke on the drop, sized the step at 0 groups and called
+    finish_train_step, racing the drop's own StepShrunkTooFar for which error ended the run)."""
+    cfg = make_cfg(
+        "async_rl.rollout_failure.max_data_retries=0",
+        "async_rl.rollout_failure.max_skipped_prompts=8",
+        "async_rl.rollout_failure.max_consecutive_dropped_prompts=8",
+        "async_rl.rollout_failure.min_step_batch_fraction=0.25",  # floor: 1 group
+    )
+    trainer = TrainCallLog()
+    env = FlakyEnv({f"e0-i{i}": {1} for i in range(N)})  # every group of step 0
+    with pytest.raises(StepShrunkTooFar, match="step 0 lost 4 prompt group"):
+        run(cfg, env=env, trainer=trainer)
+    assert trainer.calls == [] and trainer.optimizer_steps == 0
+
+
 def test_replace_fills_the_dropped_place_and_saves_the_reserve():
     cfg = make_cfg(
         "async_rl.rollout_failure.max_data_retries=0",

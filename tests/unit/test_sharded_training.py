@@ -4,7 +4,8 @@ Data-parallel 2 and 3 against the unsharded ``PolicyWorker`` / ``ValueWorker`` o
 batch, split across the ranks by tokens as ``ShardedTrainer`` splits it (uneven tokens and
 micro-batch counts per rank; at 3 ranks one chunk leaves a rank without rows): equal logprobs,
 loss, gradients before clipping, grad norm, and parameters after one step with the token count
-given up front and one streamed step with clipping. Tolerance: 1e-6 absolute on logprobs,
+given up front and one streamed step with clipping, and a streamed sequence-mean step that
+declares more rows than it holds (a dropped prompt) against the exact one. Tolerance: 1e-6 absolute on logprobs,
 gradients and parameters (float32 summation order is all that differs), 1e-6 relative on the
 loss and the grad norm.
 
@@ -25,7 +26,13 @@ import torch
 from sharded_ranks import run_phases
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from tandemrl.config.models import LossConfig, PolicyConfig, ValueConfig, ValueLossConfig
+from tandemrl.config.models import (
+    LossConfig,
+    OptimizerConfig,
+    PolicyConfig,
+    ValueConfig,
+    ValueLossConfig,
+)
 from tandemrl.dataplane.rows import make_training_row
 from tandemrl.training.batch import collate_rows, count_loss_tokens
 from tandemrl.training.policy_worker import PolicyWorker
@@ -89,11 +96,22 @@ def policy_cfg(model_dir: Path) -> PolicyConfig:
     )
 
 
+def eps_policy_cfg(model_dir: Path) -> PolicyConfig:
+    """Adam's first step with the default eps is about lr x sign(g): sharp on near-zero
+    gradients, where float summation order alone flips a sign. A large eps keeps the update
+    proportional to g, so the parameters compare to 1e-6."""
+    return policy_cfg(model_dir).model_copy(update={"optimizer": OptimizerConfig(eps=1e-3)})
+
+
 def value_cfg(model_dir: Path) -> ValueConfig:
     return ValueConfig(model_name=str(model_dir), train_micro_batch_size=2, max_grad_norm=None)
 
 
 LOSS = LossConfig(entropy_coef=0.01)
+SEQUENCE_MEAN = LossConfig(entropy_coef=0.01, token_level_loss=False)
+# A streamed step that a dropped prompt left short declares the step as planned: more rows
+# than its chunks hold.
+DROPPED_ROWS = 3
 VALUE_LOSS = ValueLossConfig()
 
 
@@ -146,6 +164,22 @@ def _policy_steps(worker: Any, chunks: list, streamed: dict, rank: int, world: i
     return out
 
 
+def _short_sequence_mean_step(worker: Any, batch: dict, rank: int, world: int) -> dict:
+    """One streamed sequence-mean step of ``batch``; on the ranks it declares the step as
+    planned (``DROPPED_ROWS`` more rows than it holds), in the reference the exact counts."""
+    rows = batch["input_ids"].shape[0]
+    worker._begin_train_step()
+    if world > 1:
+        worker._train_microbatches(rank_share(batch, rank, world), rows + DROPPED_ROWS, None)
+    else:
+        worker._train_microbatches(batch, rows, count_loss_tokens(batch))
+    finish = worker._finish_train_step()
+    return {
+        "finish": _gather_metrics(finish, mean_loss=False) if world > 1 else finish,
+        "params": {n: _full(p) for n, p in worker.model.named_parameters()},
+    }
+
+
 def _value_step(worker: Any, batch: dict, rank: int, world: int, sharded: bool) -> dict:
     share = rank_share(batch, rank, world) if sharded else batch
     out: dict[str, Any] = {"values": worker._get_values(share)}
@@ -176,6 +210,8 @@ def _on_rank(rank: int, world: int, model_dir: Path, chunks, streamed, value_bat
     policy = ShardedPolicyWorker(policy_cfg(model_dir), LOSS, seed=0)
     out = {"policy": _policy_steps(policy, chunks, streamed, rank, world)}
     if world == 2:
+        short = ShardedPolicyWorker(eps_policy_cfg(model_dir), SEQUENCE_MEAN, seed=0)
+        out["sequence_mean"] = _short_sequence_mean_step(short, streamed, rank, world)
         policy._save_checkpoint(ckpt, True)
         out["saved_optimizer"] = _optimizer_full(policy)
         critic = ShardedValueWorker(value_cfg(model_dir), VALUE_LOSS, seed=0, device="cpu")
@@ -206,6 +242,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         chunk["prev_logprobs"] = reference._get_logprobs(chunk)
     ckpt = root / "ckpt_dp2"
     one = {"policy": _policy_steps(reference, chunks, streamed, 0, 1)}
+    sequence_mean = PolicyWorker(eps_policy_cfg(model_dir), SEQUENCE_MEAN, seed=0)
+    one["sequence_mean"] = _short_sequence_mean_step(sequence_mean, streamed, 0, 1)
     reference_value = ValueWorker(value_cfg(model_dir), VALUE_LOSS, seed=0, device="cpu")
     one["value"] = _value_step(reference_value, value_batch, 0, 1, sharded=False)
     args = (model_dir, chunks, streamed, value_batch, ckpt)
@@ -239,6 +277,19 @@ def test_a_sharded_step_equals_the_one_process_step(runs: dict, world: int) -> N
     assert one["step2"]["optimizer_steps"] == 2.0  # exactly one optimizer step per RL step
     for result in ranks:  # every rank holds the same model
         assert_close_dicts(result["params"], one["params"], "parameter")
+
+
+def test_a_sharded_sequence_mean_step_left_short_by_a_drop_divides_by_its_rows(
+    runs: dict,
+) -> None:
+    """The ranks sum the rows they trained: the provisional count is corrected to the step's
+    rows over every rank, as one process with the exact counts."""
+    one = runs["one"]["sequence_mean"]
+    for result in runs[2]:
+        sharded = result["sequence_mean"]
+        for key in ("loss", "grad_norm", "num_tokens"):
+            assert sharded["finish"][key] == pytest.approx(one["finish"][key], rel=RTOL), key
+        assert_close_dicts(sharded["params"], one["params"], "parameter")
 
 
 def test_the_ranks_trained_uneven_shares() -> None:

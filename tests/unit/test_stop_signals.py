@@ -16,7 +16,7 @@ import pytest
 from tandemrl.config.loader import load_config
 from tandemrl.controller import run as run_module
 from tandemrl.controller.run import StopSignals, newest_trainer_checkpoint
-from tandemrl.sigterm import blocked_signals, sigterm_blocked, unblock_sigterm
+from tandemrl.sigterm import ProcessTree, blocked_signals, sigterm_blocked, unblock_sigterm
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="Linux /proc")
 
@@ -127,3 +127,39 @@ def test_the_stop_message_names_the_checkpoint_the_restart_resumes(
         "stopped at step 6; run the same command to resume (it resumes from the checkpoint of step 4"
         in (caplog.text)
     )
+
+
+def test_the_children_a_killed_server_leaves_behind_are_killed_and_nothing_else() -> None:
+    """A Ray server's own children (the raylet's agents) outlive its SIGKILL; ProcessTree notes
+    them beforehand and kills exactly those still alive, not the server's siblings."""
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, time\n"
+            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+            "print(child.pid, flush=True)\n"
+            "time.sleep(60)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert server.stdout is not None
+        agent = int(server.stdout.readline())
+        tree = ProcessTree([server.pid])
+        assert set(tree.descendants) == {agent}
+        server.kill()
+        server.wait()
+        assert Path(f"/proc/{agent}").exists()  # the orphan lives on, as Ray's agents do
+        assert tree.kill_survivors() == [agent]
+        deadline = time.monotonic() + 10
+        while tree.kill_survivors() and time.monotonic() < deadline:
+            time.sleep(0.05)  # SIGKILL is delivered asynchronously
+        assert tree.kill_survivors() == []  # dead (a zombie at most): never killed twice
+        assert bystander.poll() is None  # a process outside the tree is untouched
+    finally:
+        for process in (server, bystander):
+            process.kill()
+            process.wait()

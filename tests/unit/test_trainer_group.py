@@ -19,6 +19,7 @@ from tandemrl.training.trainer_group import (
     merge_metrics,
     split_rows_by_tokens,
 )
+from tandemrl.training.worker_common import TrainStepError
 
 CPU_JOB = "examples/configs/grpo_tiny_cpu.yaml"
 GPU = ("policy.device=cuda", "policy.generation.colocated.resources.gpus_per_node=1")
@@ -165,3 +166,39 @@ def test_validation_refuses_what_a_sharded_trainer_cannot_do() -> None:
         ("policy.dtensor_cfg.data_parallel_size=2", "cluster.actor_resources.trainer.slot=1"),
     )
     validate_single_controller_config(ok)
+
+
+class RecordingRank:
+    """A rank actor stand-in: records the methods fanned out to it and answers at once."""
+
+    def __init__(self) -> None:
+        self.methods: list[str] = []
+        self.call = self  # ``rank.call.remote(...)``, as on a Ray actor handle
+
+    def remote(self, caller: str, seq: int, method: str, *args: object) -> asyncio.Future:
+        self.methods.append(method)
+        answer = asyncio.get_running_loop().create_future()
+        answer.set_result({"num_tokens": 1.0} if method == "_finish_train_step" else None)
+        return answer
+
+
+def test_split_step_calls_out_of_order_are_refused_before_any_rank_sees_them() -> None:
+    """As one process refuses them (the controller never calls finish without a begin)."""
+    ranks = [RecordingRank(), RecordingRank()]
+    trainer = ShardedTrainer(ranks, role="policy trainer")
+
+    async def drive() -> dict[str, float]:
+        with pytest.raises(TrainStepError, match="finish_train_step called outside a train step"):
+            await trainer.finish_train_step()
+        with pytest.raises(TrainStepError, match="train_microbatches called outside a train"):
+            await trainer.train_microbatches({}, step_num_sequences=4)
+        await trainer.begin_train_step()
+        with pytest.raises(TrainStepError, match="while a step is open"):
+            await trainer.begin_train_step()
+        metrics = await trainer.finish_train_step()
+        with pytest.raises(TrainStepError, match="finish_train_step called outside a train step"):
+            await trainer.finish_train_step()
+        return metrics
+
+    assert asyncio.run(drive())["num_tokens"] == 2.0
+    assert [rank.methods for rank in ranks] == [["_begin_train_step", "_finish_train_step"]] * 2
