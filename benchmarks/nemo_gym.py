@@ -117,8 +117,15 @@ def main() -> None:
     assert starter.topology is not None
     gym = GymServers(starter, starter.topology, port)
     try:
+        # The Gym exemplar's turn: three digits and the end of the turn (4 tokens).
         builtin_cfg = load_config(
-            AGENT_EXEMPLAR, (*size, "env.kwargs.turns=1", "env.agent.max_turns=1")
+            AGENT_EXEMPLAR,
+            (
+                *size,
+                "env.kwargs.turns=1",
+                "env.agent.max_turns=1",
+                "policy.generation.max_new_tokens=4",
+            ),
         )
         records = [PromptRecord(prompt=f"{i % 10}{(i * 7) % 10}{(i * 3) % 10}=") for i in range(64)]
         builtin_s, builtin_episodes = timed_run(builtin_cfg, CountingGameAgent(turns=1), records)
