@@ -29,6 +29,7 @@ passes the others need.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,32 @@ def _read_optimizer_file(directory: Path) -> dict[str, Any]:
     return payload
 
 
+def _rank_state(state: dict[str, Any], replicas: GroupReplicas) -> dict[str, Any]:
+    """A worker's ``state()`` with its place in the group added."""
+    return {**state, "rank": replicas.rank, "data_parallel_size": replicas.world_size}
+
+
+def _train_without_rows(
+    step: StepTracker,
+    replicas: GroupReplicas,
+    module: torch.nn.Module,
+    idle_passes: Callable[..., None],
+    step_num_sequences: int,
+    step_num_tokens: int | None,
+) -> dict[str, float]:
+    """A chunk of the step for a rank that holds none of its rows: the step's counts
+    declared, and as many zero-gradient passes as the busiest rank runs micro-batches, so
+    that every rank issues the same collectives."""
+    step.declare(
+        step_num_sequences=step_num_sequences,
+        step_num_tokens=step_num_tokens,
+        num_sequences=0,
+    )
+    module.train()
+    idle_passes(replicas.max_int(0), train=True)
+    return StepTracker().summary()
+
+
 class ShardedPolicyWorker(PolicyWorker):
     """One rank of the sharded policy trainer (see the module docstring)."""
 
@@ -124,11 +151,7 @@ class ShardedPolicyWorker(PolicyWorker):
         )
 
     def state(self) -> dict[str, Any]:
-        return {
-            **super().state(),
-            "rank": self.replicas.rank,
-            "data_parallel_size": self.replicas.world_size,
-        }
+        return _rank_state(super().state(), self.replicas)
 
     # ------------------------------------------------------------------ rows of this rank
 
@@ -150,14 +173,14 @@ class ShardedPolicyWorker(PolicyWorker):
     ) -> dict[str, float]:
         if batch is not None:
             return super()._train_microbatches(batch, step_num_sequences, step_num_tokens)
-        self._step.declare(
-            step_num_sequences=step_num_sequences,
-            step_num_tokens=step_num_tokens,
-            num_sequences=0,
+        return _train_without_rows(
+            self._step,
+            self.replicas,
+            self.model,
+            self._idle_passes,
+            step_num_sequences,
+            step_num_tokens,
         )
-        self.model.train()
-        self._idle_passes(self.replicas.max_int(0), train=True)
-        return StepTracker().summary()
 
     def _offload_optimizer(self) -> None:
         self._offload.offload()
@@ -298,11 +321,7 @@ class ShardedValueWorker(ValueWorker):
         return sharded_grad_norm_and_clip(self._parameters(), self.cfg.max_grad_norm, self.replicas)
 
     def state(self) -> dict[str, Any]:
-        return {
-            **super().state(),
-            "rank": self.replicas.rank,
-            "data_parallel_size": self.replicas.world_size,
-        }
+        return _rank_state(super().state(), self.replicas)
 
     def _get_values(self, batch: TrainBatch | None) -> torch.Tensor | None:  # type: ignore[override]
         if batch is not None:
@@ -317,14 +336,14 @@ class ShardedValueWorker(ValueWorker):
     ) -> dict[str, float]:
         if batch is not None:
             return super()._train_microbatches(batch, step_num_sequences, step_num_tokens)
-        self._step.declare(
-            step_num_sequences=step_num_sequences,
-            step_num_tokens=step_num_tokens,
-            num_sequences=0,
+        return _train_without_rows(
+            self._step,
+            self.replicas,
+            self.backbone,
+            self._idle_passes,
+            step_num_sequences,
+            step_num_tokens,
         )
-        self.backbone.train()
-        self._idle_passes(self.replicas.max_int(0), train=True)
-        return StepTracker().summary()
 
     def _save_checkpoint(self, directory: Path, save_optimizer: bool) -> None:
         directory = Path(directory)
