@@ -18,6 +18,7 @@ that every prompt was trained exactly once (0 lost, 0 duplicated groups).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -84,11 +85,9 @@ def is_job_worker(pid: int) -> bool:
 def sigkill(pids: set[int]) -> int:
     killed = 0
     for pid in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError):  # gone already: nothing to kill
             os.kill(pid, signal.SIGKILL)
             killed += 1
-        except ProcessLookupError:
-            pass
     return killed
 
 
@@ -164,10 +163,8 @@ class TwoNodeCluster:
 
     def kill_job(self, driver: subprocess.Popen) -> int:
         """SIGKILL the driver's process group and every Ray worker of this cluster."""
-        try:
+        with contextlib.suppress(ProcessLookupError):  # the group has ended already
             os.killpg(driver.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         driver.wait()
         killed = 1
         deadline = time.monotonic() + 30
