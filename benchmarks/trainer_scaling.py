@@ -17,12 +17,18 @@ little about scaling; run it where each rank has cores of its own.
 ``--mode gpu`` (one GPU; NCCL): the FSDP2 trainer at size 1 (``ShardedPolicyWorker`` in a
 one-rank NCCL group, bf16 parameters gathered, fp32 reduction) against today's single-process
 trainer (``PolicyWorker``: fp32 parameters under bf16 autocast) on a 0.5B-shaped random Qwen2
-(``gpu_common``), both in this process, each the median of ``--repeats`` whole steps after a
-warm-up. MFU = 6 · parameters · tokens / step time / ``--peak-tflops`` (the H200's dense bf16
-peak by default). Goal: ``fsdp1_over_single_step_time`` ≤ 1.05 and ``mfu`` ≥ 0.45.
+(``gpu_common``), both in this process with ``examples/configs/grpo_gpu_1x.yaml``'s trainer
+(compiled layers, packed rows, the training forward's logprobs reused). The workload is the
+one of the MFU table in docs/benchmarks.md: 64 rows, lengths lognormal (median 512, sigma 0.6)
+in [64, 1024], 34,777 tokens, the whole step in one packed micro-batch. Each trainer is the
+median of ``--repeats`` whole steps after two warm-up steps, all in one event loop as in the
+trainer's Ray actor (``--loop-per-step`` also times a loop per step: fresh executor threads).
+MFU = (6 · parameters · tokens + causal attention) / step time / the bf16 matrix-product rate
+measured at the start of the run (``mfu_datasheet``: against ``--peak-tflops``). Goal:
+``fsdp1_over_single_step_time`` ≤ 1.05 and ``mfu`` ≥ 0.45.
 
     RESULT {"single_step_s", "fsdp1_step_s", "fsdp1_over_single_step_time", "mfu",
-            "mfu_single", ...}
+            "mfu_single", "matmul_ceiling_tflops", "variants", ...}
 
     python benchmarks/trainer_scaling.py                    # CPU, gloo
     python benchmarks/trainer_scaling.py --mode gpu --repeats 5
@@ -203,9 +209,34 @@ async def _first_step_then_export(trainer: Any, handles: list[Any], batch: Any, 
 # ---------------------------------------------------------------------------- GPU
 
 
+GPU_VARIANTS = {
+    # name: (sharded, overrides)
+    "single": (False, ()),
+    "fsdp1": (True, ()),
+    "single_eager": (False, ("policy.compile_layers=false",)),
+    "fsdp1_eager": (True, ("policy.compile_layers=false",)),
+}
+
+
+def matmul_ceiling_tflops(size: int = 8192) -> float:
+    """The bf16 matrix-product rate this GPU reaches now (the MFU's denominator)."""
+    a, b = (torch.randn(size, size, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    times = []
+    for repeat in range(13):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        a @ b
+        torch.cuda.synchronize()
+        if repeat >= 3:
+            times.append(time.perf_counter() - started)
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * size**3 / statistics.median(times) / 1e12
+
+
 def gpu_mode(args: argparse.Namespace) -> dict[str, Any]:
     """FSDP2 at size 1 against the single-process trainer, on one GPU (see the docstring)."""
-    from gpu_common import QWEN2_SIZES, build_model_folder
+    from gpu_common import QWEN2_SIZES, LongTail, build_model_folder, make_train_batch
 
     from tandemrl.training.policy_worker import PolicyWorker
     from tandemrl.training.rank_group import (
@@ -218,66 +249,132 @@ def gpu_mode(args: argparse.Namespace) -> dict[str, Any]:
     if not torch.cuda.is_available():
         raise SystemExit("--mode gpu needs a CUDA device")
     model_dir = build_model_folder(args.size, Path(args.model_dir), device="cuda")
-    cfg = load_config(
-        "examples/configs/grpo_gpu_1x.yaml",
-        (
-            f"policy.model_name={model_dir}",
-            "policy.device=cuda",
-            f"policy.train_micro_batch_size={args.micro_batch}",
-            f"policy.max_total_sequence_length={args.length}",
-        ),
-    )
+    tail = LongTail(median=args.length_median, sigma=0.6, minimum=64, cap=args.length)
+    lengths = [tail.length(f"t{i}") for i in range(args.rows)]
     vocab = int(QWEN2_SIZES[args.size]["vocab_size"])
-    batch = random_batch(args.rows, args.length, args.length // 8, vocab, 0)
-    tokens = int(batch["attention_mask"].sum())
-    loss_tokens = count_loss_tokens(batch)
-
-    def step_times(worker: Any) -> list[float]:
-        asyncio.run(one_step(worker, batch))  # warm-up
-        times = []
-        for _ in range(args.repeats):
-            torch.cuda.synchronize()
-            started = time.perf_counter()
-            asyncio.run(one_step(worker, batch))
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - started)
-        return times
-
-    single = PolicyWorker(cfg.policy, cfg.loss_fn, seed=0)
-    params = sum(p.numel() for p in single.model.parameters())
-    single_times = step_times(single)
-    del single
-    torch.cuda.empty_cache()
-
+    batch = make_train_batch(lengths, vocab, seed=1, prompt_tokens=16)
+    tokens = sum(lengths)
+    ceiling = matmul_ceiling_tflops()
     store, address = open_rank_rendezvous(1, 120.0, "nccl")
     join_rank_group(address, 0, store=store, device=torch.device("cuda", 0))
+    results: dict[str, Any] = {}
     try:
-        sharded = ShardedPolicyWorker(cfg.policy, cfg.loss_fn, seed=0)
-        sharded_times = step_times(sharded)
+        for name in args.variants:
+            sharded, overrides = GPU_VARIANTS[name]
+            cfg = load_config(
+                "examples/configs/grpo_gpu_1x.yaml",
+                (
+                    f"policy.model_name={model_dir}",
+                    "policy.device=cuda",
+                    f"policy.train_micro_batch_size={args.micro_batch}",
+                    f"policy.max_total_sequence_length={args.length}",
+                    *overrides,
+                ),
+            )
+            worker_class = ShardedPolicyWorker if sharded else PolicyWorker
+            worker = worker_class(cfg.policy, cfg.loss_fn, seed=0)
+            params = sum(p.numel() for p in worker.model.parameters())
+            config = worker.model.config
+            flops = 6 * params * tokens + 6 * config.num_hidden_layers * config.hidden_size * sum(
+                n * n for n in lengths
+            )
+            times = gpu_step_times(worker, batch, args.repeats)
+            if args.loop_per_step:
+                per_step = gpu_step_times(worker, batch, args.repeats, loop_per_step=True)
+                results.setdefault("loop_per_step", {})[name] = round(
+                    statistics.median(per_step), 4
+                )
+            seconds = statistics.median(times)
+            results[name] = {
+                "step_s": round(seconds, 4),
+                "tokens_per_s": round(tokens / seconds, 1),
+                "mfu": round(flops / seconds / (ceiling * 1e12), 4),
+                "mfu_datasheet": round(flops / seconds / (args.peak_tflops * 1e12), 4),
+                "step_times_s": [round(t, 4) for t in times],
+                "max_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
+            }
+            if args.profile_dir:
+                profile_step(worker, batch, Path(args.profile_dir) / f"{name}.txt")
+            print(f"{name}: {results[name]}", flush=True)
+            del worker
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
     finally:
         leave_rank_group()
-    single_s = statistics.median(single_times)
-    sharded_s = statistics.median(sharded_times)
-    peak = args.peak_tflops * 1e12
-    return {
+    result: dict[str, Any] = {
         "mode": "gpu",
         "device": torch.cuda.get_device_name(),
         "size": args.size,
-        "params": params,
+        "rows": args.rows,
         "tokens_per_step": tokens,
-        "loss_tokens_per_step": loss_tokens,
         "repeats": args.repeats,
-        "single_step_s": round(single_s, 4),
-        "fsdp1_step_s": round(sharded_s, 4),
-        "fsdp1_over_single_step_time": round(sharded_s / single_s, 3),
-        "single_tokens_per_s": round(tokens / single_s, 1),
-        "fsdp1_tokens_per_s": round(tokens / sharded_s, 1),
-        "mfu": round(6 * params * tokens / sharded_s / peak, 4),
-        "mfu_single": round(6 * params * tokens / single_s / peak, 4),
-        "peak_tflops": args.peak_tflops,
-        "single_step_times_s": [round(t, 4) for t in single_times],
-        "fsdp1_step_times_s": [round(t, 4) for t in sharded_times],
+        "matmul_ceiling_tflops": round(ceiling, 1),
+        "variants": results,
     }
+    if "single" in results and "fsdp1" in results:
+        single, fsdp = results["single"], results["fsdp1"]
+        result |= {
+            "single_step_s": single["step_s"],
+            "fsdp1_step_s": fsdp["step_s"],
+            "fsdp1_over_single_step_time": round(fsdp["step_s"] / single["step_s"], 3),
+            "single_tokens_per_s": single["tokens_per_s"],
+            "fsdp1_tokens_per_s": fsdp["tokens_per_s"],
+            "mfu": fsdp["mfu"],
+            "mfu_single": single["mfu"],
+        }
+    return result
+
+
+async def gpu_step(worker: Any, batch: dict[str, torch.Tensor]) -> None:
+    """One RL step as grpo_gpu_1x.yaml runs it: the training forward supplies the logprobs
+    (``loss_fn.reuse_training_logprobs``), so there is no separate logprob pass."""
+    await worker.begin_train_step()
+    await worker.train_microbatches(
+        batch,
+        step_num_sequences=batch["input_ids"].shape[0],
+        step_num_tokens=count_loss_tokens(batch),
+    )
+    await worker.finish_train_step()
+
+
+def gpu_step_times(
+    worker: Any, batch: dict[str, torch.Tensor], repeats: int, *, loop_per_step: bool = False
+) -> list[float]:
+    """Step times after two warm-up steps. All steps run in one event loop, as in the
+    trainer's Ray actor, so the worker's calls reuse the loop's executor threads;
+    ``loop_per_step`` gives each step a loop (and so fresh executor threads) of its own."""
+
+    async def timed_step() -> float:
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        await gpu_step(worker, batch)
+        torch.cuda.synchronize()
+        return time.perf_counter() - started
+
+    async def all_steps() -> list[float]:
+        return [await timed_step() for _ in range(repeats + 2)][2:]
+
+    if loop_per_step:
+        return [asyncio.run(timed_step()) for _ in range(repeats + 2)][2:]
+    return asyncio.run(all_steps())
+
+
+def profile_step(worker: Any, batch: dict[str, torch.Tensor], path: Path) -> None:
+    """torch.profiler tables of one step (device and host time), and Dynamo's counters."""
+    from torch._dynamo.utils import counters
+    from torch.profiler import ProfilerActivity, profile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        asyncio.run(gpu_step(worker, batch))
+        torch.cuda.synchronize()
+    averages = prof.key_averages()
+    with path.open("w") as out:
+        out.write(averages.table(sort_by="self_cuda_time_total", row_limit=30))
+        out.write("\n")
+        out.write(averages.table(sort_by="self_cpu_time_total", row_limit=30))
+        out.write("\n")
+        out.write(json.dumps({key: dict(value) for key, value in counters.items()}, default=str))
 
 
 def main() -> None:
@@ -291,6 +388,16 @@ def main() -> None:
     parser.add_argument("--size", default="0.5b", help="gpu: a gpu_common.QWEN2_SIZES key")
     parser.add_argument("--model-dir", default="/tmp/trainer_scaling_model")
     parser.add_argument("--peak-tflops", type=float, default=H200_BF16_PEAK_TFLOPS)
+    parser.add_argument("--length-median", type=float, default=512.0, help="gpu: rows' lengths")
+    parser.add_argument(
+        "--variants", nargs="+", default=["single", "fsdp1"], choices=sorted(GPU_VARIANTS)
+    )
+    parser.add_argument("--profile-dir", default=None, help="gpu: torch.profiler tables here")
+    parser.add_argument(
+        "--loop-per-step",
+        action="store_true",
+        help="gpu: also time each step in an event loop of its own (fresh executor threads)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.mode == "cpu":
@@ -298,8 +405,8 @@ def main() -> None:
         args.micro_batch = args.micro_batch or 8
         result = cpu_mode(args)
     else:
-        args.rows, args.length = args.rows or 8, args.length or 1024
-        args.micro_batch = args.micro_batch or 8
+        args.rows, args.length = args.rows or 64, args.length or 1024
+        args.micro_batch = args.micro_batch or args.rows  # packed: the whole step at once
         result = gpu_mode(args)
     print("RESULT", json.dumps(result), flush=True)
 

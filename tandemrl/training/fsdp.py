@@ -83,8 +83,10 @@ def sharded_grad_norm_and_clip(
     """The gradient norm over every rank's shards (one all-reduce); clips to
     ``max_grad_norm`` like ``torch.nn.utils.clip_grad_norm_`` (coefficient max / (norm + 1e-6),
     applied when below 1). A non-finite norm raises on every rank alike."""
-    grads = [local_part(p.grad) for p in params if p.grad is not None]
-    local = sum(float(g.detach().float().pow(2).sum().item()) for g in grads)
+    grads = [local_part(p.grad).detach() for p in params if p.grad is not None]
+    # This rank's squared norm in one device reduction and one host read (not one read per
+    # parameter: 290 host waits a step for the 0.5B model).
+    local = float(torch.nn.utils.get_total_norm(grads).item()) ** 2 if grads else 0.0
     norm = math.sqrt(replicas.sum_float(local))
     if not math.isfinite(norm):
         raise FloatingPointError(
@@ -93,9 +95,8 @@ def sharded_grad_norm_and_clip(
         )
     if max_grad_norm is not None:
         coefficient = max_grad_norm / (norm + 1e-6)
-        if coefficient < 1.0:
-            for grad in grads:
-                grad.mul_(coefficient)
+        if coefficient < 1.0 and grads:
+            torch._foreach_mul_(grads, coefficient)
     return norm
 
 

@@ -68,11 +68,15 @@ def test_the_trainer_trains_on_the_engines_sampled_tokens_turn_by_turn(client):
     by_episode: dict[str, list] = {}
     for result in engine.results:
         by_episode.setdefault(result.request_id.rsplit("/", 1)[0], []).append(result)
-    assert all(len(turns) == 2 for turns in by_episode.values())
-    expected = Counter(expected_row(turns) for turns in by_episode.values())
+    # The rollout pump may have run further than the trainer: episodes still in their first
+    # turn when the run stopped (seen on a fast GPU machine) are never trained.
+    assert all(len(turns) <= 2 for turns in by_episode.values())
+    finished = [turns for turns in by_episode.values() if len(turns) == 2]
+    assert len(finished) >= 8
+    expected = Counter(expected_row(turns) for turns in finished)
     trained = Counter(batch_rows(trainer))
-    # 8 trained episodes (the rollout pump may have run further), each one row: the prompt,
-    # both sampled turns (mask 1, their logprobs) and the environment's reply between (mask 0).
+    # 8 trained episodes, each one row: the prompt, both sampled turns (mask 1, their
+    # logprobs) and the environment's reply between (mask 0).
     assert sum(trained.values()) == 8
     assert all(count == 1 and row in expected for row, count in trained.items())
     assert history[-1]["reward_mean"] == 1.0  # the scripted player counts right
