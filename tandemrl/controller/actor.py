@@ -42,11 +42,14 @@ from tandemrl.controller.weight_sync import (
 from tandemrl.data.prompt_format import PromptRenderer
 from tandemrl.data.vision_prompts import VisionPromptEncoder
 from tandemrl.envs import create_environment
+from tandemrl.heap import trim_periodically
 from tandemrl.metrics.logger import MetricsLogger
 from tandemrl.models import load_tokenizer, resolve_tokenizer_path, special_tokens
 from tandemrl.models.vision import load_processor
 from tandemrl.rollout.generation_pool import GenerationPool
 from tandemrl.training.trainer_group import ShardedTrainer
+
+HEAP_TRIM_INTERVAL_S = 30.0
 
 
 def run_tokenizer(cfg: MasterConfig, model_path: str) -> Any:
@@ -210,12 +213,16 @@ class SingleControllerActor:
             overwrite=self.overwrite_logs,
             run_config=redact_tree(self.cfg.model_dump(mode="json", by_alias=True)),
         )
+        # A long run's controller frees as much as it allocates; glibc keeps the freed
+        # pages unless asked (tandemrl.heap).
+        trimmer = asyncio.create_task(trim_periodically(HEAP_TRIM_INTERVAL_S))
         try:
             self.controller = self._build(metrics)
             self._run_task = asyncio.current_task()
             await self.controller.resume(plan)
             return await self.controller.run()
         finally:
+            trimmer.cancel()
             metrics.close()  # flushes, and writes the plot
 
     async def progress(self, since: int) -> list[dict[str, float]]:

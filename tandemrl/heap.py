@@ -1,0 +1,55 @@
+"""Giving freed heap back to the operating system in long-running processes.
+
+glibc keeps memory that a process has freed in its arenas, for reuse, and returns it only
+when the top of an arena is free. In a process that runs for days and allocates from several
+threads (the controller actor: its event loop, Ray's core worker threads, the metrics writer),
+that retained memory grows the RSS slowly even when nothing is alive that did not exist
+before. ``malloc_trim(0)`` hands every free page of every arena back. It takes milliseconds
+and holds each arena's lock while it walks it, so it runs rarely: ``trim_periodically``, every
+``interval_s`` seconds, from an asyncio task.
+
+Only glibc has ``malloc_trim``; elsewhere (musl, macOS) ``trim_heap`` does nothing and says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import ctypes.util
+import logging
+from functools import cache
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+@cache
+def _libc() -> Any:
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    libc = ctypes.CDLL(name)
+    if not hasattr(libc, "malloc_trim"):
+        return None
+    libc.malloc_trim.argtypes = [ctypes.c_size_t]
+    libc.malloc_trim.restype = ctypes.c_int
+    return libc
+
+
+def trim_heap() -> bool | None:
+    """Return the free heap to the OS. True: some memory was released; False: none could be;
+    None: this C library has no ``malloc_trim``."""
+    libc = _libc()
+    if libc is None:
+        return None
+    return bool(libc.malloc_trim(0))
+
+
+async def trim_periodically(interval_s: float) -> None:
+    """``trim_heap`` every ``interval_s`` seconds until cancelled."""
+    if _libc() is None:
+        log.info("this C library has no malloc_trim: freed heap stays with the process")
+        return
+    while True:
+        await asyncio.sleep(interval_s)
+        trim_heap()

@@ -1,0 +1,51 @@
+"""tandemrl.heap: freed heap handed back to the OS, periodically, until cancelled."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes.util
+import sys
+
+import pytest
+
+from tandemrl import heap
+
+GLIBC = sys.platform.startswith("linux") and heap._libc() is not None
+
+
+@pytest.mark.skipif(not GLIBC, reason="malloc_trim is glibc's")
+def test_trimming_after_freeing_many_blocks_gives_memory_back() -> None:
+    # 200,000 blocks of 2 KiB (over pymalloc's 512-byte limit: glibc's heap), all freed but
+    # the last, so the arena's top stays in use and only malloc_trim can release the rest.
+    blocks = [bytearray(2048) for _ in range(200_000)]
+    keep = blocks[-1]
+    del blocks
+    assert heap.trim_heap() is True
+    assert keep  # held across the trim
+
+
+def test_without_malloc_trim_nothing_is_done(monkeypatch: pytest.MonkeyPatch) -> None:
+    heap._libc.cache_clear()
+    monkeypatch.setattr(ctypes.util, "find_library", lambda name: None)
+    try:
+        assert heap.trim_heap() is None
+        asyncio.run(asyncio.wait_for(heap.trim_periodically(0.01), timeout=1.0))  # returns
+    finally:
+        heap._libc.cache_clear()
+
+
+@pytest.mark.skipif(not GLIBC, reason="malloc_trim is glibc's")
+def test_the_periodic_trim_runs_until_cancelled(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    monkeypatch.setattr(heap, "trim_heap", lambda: calls.append(1) or True)
+
+    async def scenario() -> None:
+        task = asyncio.create_task(heap.trim_periodically(0.01))
+        while len(calls) < 3:
+            await asyncio.sleep(0.005)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=5.0))
+    assert len(calls) >= 3
