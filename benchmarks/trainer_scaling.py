@@ -215,6 +215,8 @@ GPU_VARIANTS = {
     "fsdp1": (True, ()),
     "single_eager": (False, ("policy.compile_layers=false",)),
     "fsdp1_eager": (True, ("policy.compile_layers=false",)),
+    # The gathered weights kept from the forward to the backward (one gather a step).
+    "fsdp1_keep": (True, ("policy.dtensor_cfg.reshard_after_forward=false",)),
 }
 
 

@@ -62,6 +62,7 @@ BUILTIN_EXCLUDED_PATHS: tuple[str, ...] = (
     # sharded checkpoint restores at any size: the layout may change across restarts.
     "policy.dtensor_cfg.data_parallel_size",
     "policy.dtensor_cfg.timeout_s",
+    "policy.dtensor_cfg.reshard_after_forward",
     "async_rl.stall_watchdog.**",
     "async_rl.rollout_failure.backoff_initial_s",
     "async_rl.rollout_failure.backoff_max_s",

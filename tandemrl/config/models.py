@@ -162,6 +162,11 @@ class DTensorConfig(Strict):
     data_parallel_size: int | None = Field(None, ge=1)
     # Longest wait of a trainer rank on the others: the rendezvous and every collective.
     timeout_s: float = Field(600.0, gt=0.0)
+    # FSDP2's reshard_after_forward for every decoder layer: free the gathered weights after
+    # the forward and gather them again for the backward (true: less memory), or keep them
+    # until the backward is done (false: one gather a step, the whole model's gathered
+    # weights held from the forward to the backward).
+    reshard_after_forward: bool = True
 
 
 class MegatronConfig(Strict):

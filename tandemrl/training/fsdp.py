@@ -56,16 +56,25 @@ DCP_DIR = "dcp"
 DCP_METADATA = ".metadata"
 
 
-def shard_model(root: nn.Module, layers: Iterable[nn.Module], device: torch.device) -> None:
-    """``fully_shard`` each of ``layers``, then ``root``, over every rank of the default group."""
+def shard_model(
+    root: nn.Module,
+    layers: Iterable[nn.Module],
+    device: torch.device,
+    *,
+    reshard_after_forward: bool = True,
+) -> None:
+    """``fully_shard`` each of ``layers``, then ``root``, over every rank of the default group
+    (``reshard_after_forward``: ``policy.dtensor_cfg.reshard_after_forward``)."""
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     if device.type == "cuda":
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     else:
         policy = MixedPrecisionPolicy()
+    layers = list(layers)
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(root, mesh=mesh, mp_policy=policy)
     units = [*layers, root]
-    for unit in units:
-        fully_shard(unit, mesh=mesh, mp_policy=policy)
     for unit in units:
         assert isinstance(unit, FSDPModule)
         unit.set_gradient_divide_factor(1.0)

@@ -142,7 +142,10 @@ class ShardedPolicyWorker(PolicyWorker):
 
     def _shard_model(self) -> None:
         shard_model(
-            self.forward_module, _decoder_layers(self.model.base_model, "the policy"), self.device
+            self.forward_module,
+            _decoder_layers(self.model.base_model, "the policy"),
+            self.device,
+            reshard_after_forward=self.cfg.dtensor_cfg.reshard_after_forward,
         )
 
     def _clip_gradients(self) -> float:

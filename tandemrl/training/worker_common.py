@@ -20,10 +20,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from tandemrl.config.models import OptimizerConfig, SchedulerConfig
 from tandemrl.sm_partition import SmShare
 from tandemrl.training.losses import AllMaskedStepError
+from tandemrl.training.shard_adamw import ShardLocalAdamW
 
 T = TypeVar("T")
 
@@ -98,10 +100,15 @@ def build_optimizer(
     """AdamW from the config; torch's fused kernel on CUDA and CPU.
 
     On CPU the fused step of the default tiny model (26 tensors, 0.5 M parameters) takes
-    0.66 ms against 1.92 ms for the per-tensor loop (one thread, torch 2.13).
+    0.66 ms against 1.92 ms for the per-tensor loop (one thread, torch 2.13). Parameters an
+    FSDP2 rank holds as DTensors get ``ShardLocalAdamW``, the same update run on their local
+    shards (``shard_adamw.py``).
     """
-    return torch.optim.AdamW(
-        list(params),
+    params = list(params)
+    sharded = any(isinstance(p, DTensor) for p in params)
+    optimizer_class = ShardLocalAdamW if sharded else torch.optim.AdamW
+    return optimizer_class(
+        params,
         lr=cfg.lr,
         betas=tuple(cfg.betas),
         eps=cfg.eps,
@@ -350,9 +357,15 @@ class StepTracker:
 def scale_gradients(params: Iterable[torch.nn.Parameter], scale: float) -> None:
     if scale == 1.0:
         return
-    for param in params:
-        if param.grad is not None:
-            param.grad.mul_(scale)
+    # One foreach kernel over the local parts: a DTensor gradient's mul_ per parameter costs
+    # DTensor's dispatch 290 times a step for the 0.5B model.
+    grads = [
+        p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        for p in params
+        if p.grad is not None
+    ]
+    if grads:
+        torch._foreach_mul_(grads, scale)
 
 
 def grad_norm_and_clip(params: Iterable[torch.nn.Parameter], max_grad_norm: float | None) -> float:

@@ -9,6 +9,9 @@ declares more rows than it holds (a dropped prompt) against the exact one. Toler
 gradients and parameters (float32 summation order is all that differs), 1e-6 relative on the
 loss and the grad norm.
 
+The same steps with `policy.dtensor_cfg.reshard_after_forward: false` (the gathered weights kept
+through the backward) at 2 ranks.
+
 Checkpoints: a DCP checkpoint saved at 2 ranks restores at 3 ranks and in one unsharded
 process with bit-exact parameters and optimizer state; one missing a shard file is refused
 naming the file, and nothing of it is loaded.
@@ -225,6 +228,20 @@ def _on_rank(rank: int, world: int, model_dir: Path, chunks, streamed, value_bat
     return out
 
 
+def _on_rank_keeping_gathered_weights(
+    rank: int, world: int, model_dir: Path, chunks, streamed, value_batch, ckpt
+) -> dict:
+    """The policy steps with ``policy.dtensor_cfg.reshard_after_forward: false``."""
+    from tandemrl.training.sharded_workers import ShardedPolicyWorker
+
+    cfg = policy_cfg(model_dir)
+    cfg = cfg.model_copy(
+        update={"dtensor_cfg": cfg.dtensor_cfg.model_copy(update={"reshard_after_forward": False})}
+    )
+    policy = ShardedPolicyWorker(cfg, LOSS, seed=0)
+    return {"policy": _policy_steps(policy, chunks, streamed, rank, world)}
+
+
 # ---------------------------------------------------------------------------- the tests
 
 
@@ -247,8 +264,18 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     reference_value = ValueWorker(value_cfg(model_dir), VALUE_LOSS, seed=0, device="cpu")
     one["value"] = _value_step(reference_value, value_batch, 0, 1, sharded=False)
     args = (model_dir, chunks, streamed, value_batch, ckpt)
-    dp2, dp3 = run_phases([(2, _on_rank), (3, _on_rank)], *args)
-    return {"one": one, 2: dp2, 3: dp3, "ckpt": ckpt, "model_dir": model_dir, "root": root}
+    dp2, dp3, keep = run_phases(
+        [(2, _on_rank), (3, _on_rank), (2, _on_rank_keeping_gathered_weights)], *args
+    )
+    return {
+        "one": one,
+        2: dp2,
+        3: dp3,
+        "keep": keep,
+        "ckpt": ckpt,
+        "model_dir": model_dir,
+        "root": root,
+    }
 
 
 def assert_close_dicts(got: dict, want: dict, what: str) -> None:
@@ -351,3 +378,11 @@ def test_a_checkpoint_missing_a_shard_is_refused_naming_the_file(runs: dict) -> 
     for name, param in worker.model.named_parameters():  # nothing of it was loaded
         assert torch.equal(param.detach(), before[name]), name
     assert worker.optimizer_steps == 0
+
+
+def test_keeping_the_gathered_weights_through_the_backward_takes_the_same_steps(runs: dict) -> None:
+    want = runs["one"]["policy"]
+    for rank, out in enumerate(runs["keep"]):
+        got = out["policy"]
+        assert_close_dicts(got["grads"], want["grads"], f"rank {rank} grads")
+        assert_close_dicts(got["params"], want["params"], f"rank {rank} params after 2 steps")
