@@ -215,8 +215,9 @@ GPU_VARIANTS = {
     "fsdp1": (True, ()),
     "single_eager": (False, ("policy.compile_layers=false",)),
     "fsdp1_eager": (True, ("policy.compile_layers=false",)),
-    # The gathered weights kept from the forward to the backward (one gather a step).
-    "fsdp1_keep": (True, ("policy.dtensor_cfg.reshard_after_forward=false",)),
+    # fsdp1 keeps the gathered weights from the forward to the backward at one rank (the
+    # default); this one frees them after the forward and gathers them again.
+    "fsdp1_reshard": (True, ("policy.dtensor_cfg.reshard_after_forward=true",)),
 }
 
 

@@ -165,8 +165,9 @@ class DTensorConfig(Strict):
     # FSDP2's reshard_after_forward for every decoder layer: free the gathered weights after
     # the forward and gather them again for the backward (true: less memory), or keep them
     # until the backward is done (false: one gather a step, the whole model's gathered
-    # weights held from the forward to the backward).
-    reshard_after_forward: bool = True
+    # weights held from the forward to the backward). None: true with several ranks, false
+    # with one (its "gather" is only the bf16 cast, and it is the one copy there is).
+    reshard_after_forward: bool | None = None
 
 
 class MegatronConfig(Strict):

@@ -92,20 +92,24 @@ def sharded_grad_norm_and_clip(
     """The gradient norm over every rank's shards (one all-reduce); clips to
     ``max_grad_norm`` like ``torch.nn.utils.clip_grad_norm_`` (coefficient max / (norm + 1e-6),
     applied when below 1). A non-finite norm raises on every rank alike."""
-    grads = [local_part(p.grad).detach() for p in params if p.grad is not None]
-    # This rank's squared norm in one device reduction and one host read (not one read per
-    # parameter: 290 host waits a step for the 0.5B model).
-    local = float(torch.nn.utils.get_total_norm(grads).item()) ** 2 if grads else 0.0
-    norm = math.sqrt(replicas.sum_float(local))
-    if not math.isfinite(norm):
-        raise FloatingPointError(
-            f"gradient norm is {norm}; refusing the optimizer step (lower the lr, check the "
-            "advantages and logprobs for inf/NaN)"
-        )
-    if max_grad_norm is not None:
-        coefficient = max_grad_norm / (norm + 1e-6)
-        if coefficient < 1.0 and grads:
-            torch._foreach_mul_(grads, coefficient)
+    with torch.no_grad():  # to_local() outside autograd: a fifth of the cost, 290 times a step
+        grads = [local_part(p.grad) for p in params if p.grad is not None]
+        # This rank's squared norm in one device reduction, summed over the ranks on the
+        # device, then one host read a step (not one per parameter, nor one per rank).
+        if grads:
+            squared = torch.nn.utils.get_total_norm(grads).double().square().reshape(1)
+        else:
+            squared = torch.zeros(1, dtype=torch.float64, device=replicas.device)
+        norm = math.sqrt(float(replicas.sum_tensor_(squared).item()))
+        if not math.isfinite(norm):
+            raise FloatingPointError(
+                f"gradient norm is {norm}; refusing the optimizer step (lower the lr, check the "
+                "advantages and logprobs for inf/NaN)"
+            )
+        if max_grad_norm is not None:
+            coefficient = max_grad_norm / (norm + 1e-6)
+            if coefficient < 1.0 and grads:
+                torch._foreach_mul_(grads, coefficient)
     return norm
 
 

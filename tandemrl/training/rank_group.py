@@ -138,6 +138,7 @@ class Replicas:
 
     rank: int = 0
     world_size: int = 1
+    device: torch.device = torch.device("cpu")  # where reductions of tensors run
 
     def max_int(self, value: int) -> int:
         return value
@@ -147,6 +148,10 @@ class Replicas:
 
     def sum_float(self, value: float) -> float:
         return value
+
+    def sum_tensor_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the ranks in place (on ``device`` when a group is joined)."""
+        return tensor
 
 
 LocalReplicas = Replicas
@@ -167,7 +172,13 @@ class GroupReplicas(Replicas):
         self, value: float, dtype: torch.dtype, op: dist.ReduceOp.RedOpType
     ) -> torch.Tensor:
         tensor = torch.tensor([value], dtype=dtype, device=self.device)
-        dist.all_reduce(tensor, op=op)
+        if self.world_size > 1:  # one rank: the value is its own reduction, no collective
+            dist.all_reduce(tensor, op=op)
+        return tensor
+
+    def sum_tensor_(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor
 
     def max_int(self, value: int) -> int:

@@ -72,6 +72,11 @@ def _decoder_layers(model: torch.nn.Module, what: str) -> torch.nn.ModuleList:
     return layers
 
 
+def _reshard_after_forward(setting: bool | None, world_size: int) -> bool:
+    """``policy.dtensor_cfg.reshard_after_forward``; None: only when there are other ranks."""
+    return world_size > 1 if setting is None else setting
+
+
 def _read_optimizer_file(directory: Path) -> dict[str, Any]:
     path = directory / OPTIMIZER_FILE
     if not path.is_file():
@@ -145,7 +150,9 @@ class ShardedPolicyWorker(PolicyWorker):
             self.forward_module,
             _decoder_layers(self.model.base_model, "the policy"),
             self.device,
-            reshard_after_forward=self.cfg.dtensor_cfg.reshard_after_forward,
+            reshard_after_forward=_reshard_after_forward(
+                self.cfg.dtensor_cfg.reshard_after_forward, self.replicas.world_size
+            ),
         )
 
     def _clip_gradients(self) -> float:

@@ -359,13 +359,14 @@ def scale_gradients(params: Iterable[torch.nn.Parameter], scale: float) -> None:
         return
     # One foreach kernel over the local parts: a DTensor gradient's mul_ per parameter costs
     # DTensor's dispatch 290 times a step for the 0.5B model.
-    grads = [
-        p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-        for p in params
-        if p.grad is not None
-    ]
-    if grads:
-        torch._foreach_mul_(grads, scale)
+    with torch.no_grad():
+        grads = [
+            p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            for p in params
+            if p.grad is not None
+        ]
+        if grads:
+            torch._foreach_mul_(grads, scale)
 
 
 def grad_norm_and_clip(params: Iterable[torch.nn.Parameter], max_grad_norm: float | None) -> float:
