@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import statistics
@@ -281,7 +282,10 @@ def gpu_mode(args: argparse.Namespace) -> dict[str, Any]:
             flops = 6 * params * tokens + 6 * config.num_hidden_layers * config.hidden_size * sum(
                 n * n for n in lengths
             )
-            times = gpu_step_times(worker, batch, args.repeats)
+            pauses: list[tuple[float, int]] = []
+            times = gpu_step_times(
+                worker, batch, args.repeats, gc_pauses=pauses, gc_freeze=args.gc_freeze
+            )
             if args.loop_per_step:
                 per_step = gpu_step_times(worker, batch, args.repeats, loop_per_step=True)
                 results.setdefault("loop_per_step", {})[name] = round(
@@ -295,6 +299,8 @@ def gpu_mode(args: argparse.Namespace) -> dict[str, Any]:
                 "mfu_datasheet": round(flops / seconds / (args.peak_tflops * 1e12), 4),
                 "step_times_s": [round(t, 4) for t in times],
                 "max_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
+                "gc_ms_per_step": [round(seconds * 1e3, 2) for seconds, _ in pauses],
+                "gc_full_collections": sum(full for _, full in pauses),
             }
             if args.profile_dir:
                 profile_step(worker, batch, Path(args.profile_dir) / f"{name}.txt")
@@ -340,22 +346,65 @@ async def gpu_step(worker: Any, batch: dict[str, torch.Tensor]) -> None:
     await worker.finish_train_step()
 
 
+class GcPauses:
+    """Time the interpreter's garbage collector spent inside a span (``gc.callbacks``)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.full = 0  # collections of the oldest generation
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._started
+            self.full += info["generation"] == 2
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self)
+
+
 def gpu_step_times(
-    worker: Any, batch: dict[str, torch.Tensor], repeats: int, *, loop_per_step: bool = False
+    worker: Any,
+    batch: dict[str, torch.Tensor],
+    repeats: int,
+    *,
+    loop_per_step: bool = False,
+    gc_pauses: list[tuple[float, int]] | None = None,
+    gc_freeze: bool = False,
 ) -> list[float]:
     """Step times after two warm-up steps. All steps run in one event loop, as in the
     trainer's Ray actor, so the worker's calls reuse the loop's executor threads;
-    ``loop_per_step`` gives each step a loop (and so fresh executor threads) of its own."""
+    ``loop_per_step`` gives each step a loop (and so fresh executor threads) of its own.
+    ``gc_pauses`` receives each timed step's collector time and full collections;
+    ``gc_freeze`` moves every object alive after the warm-up out of the collector's reach."""
 
     async def timed_step() -> float:
         torch.cuda.synchronize()
-        started = time.perf_counter()
-        await gpu_step(worker, batch)
-        torch.cuda.synchronize()
-        return time.perf_counter() - started
+        with GcPauses() as pauses:
+            started = time.perf_counter()
+            await gpu_step(worker, batch)
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - started
+        if gc_pauses is not None:
+            gc_pauses.append((pauses.seconds, pauses.full))
+        return seconds
 
     async def all_steps() -> list[float]:
-        return [await timed_step() for _ in range(repeats + 2)][2:]
+        for _ in range(2):
+            await gpu_step(worker, batch)
+        if gc_freeze:
+            gc.collect()
+            gc.freeze()
+        times = [await timed_step() for _ in range(repeats)]
+        if gc_freeze:
+            gc.unfreeze()
+        return times
 
     if loop_per_step:
         return [asyncio.run(timed_step()) for _ in range(repeats + 2)][2:]
@@ -396,6 +445,11 @@ def main() -> None:
         "--variants", nargs="+", default=["single", "fsdp1"], choices=sorted(GPU_VARIANTS)
     )
     parser.add_argument("--profile-dir", default=None, help="gpu: torch.profiler tables here")
+    parser.add_argument(
+        "--gc-freeze",
+        action="store_true",
+        help="gpu: gc.freeze() after the warm-up steps (the collector skips what was built)",
+    )
     parser.add_argument(
         "--loop-per-step",
         action="store_true",
