@@ -86,7 +86,7 @@ def test_a_thread_that_unblocks_sigterm_starts_processes_that_stop_on_it() -> No
     assert seen == {"inherited": True, "after_unblock": False}
 
 
-def test_the_embedded_cluster_bounds_the_task_events_its_gcs_keeps_and_records_no_metrics(
+def test_the_embedded_cluster_bounds_the_task_events_its_gcs_keeps(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import ray
@@ -94,20 +94,15 @@ def test_the_embedded_cluster_bounds_the_task_events_its_gcs_keeps_and_records_n
     calls: list[dict[str, object]] = []
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
-    for name in (run_module.GCS_TASK_EVENTS_ENV, run_module.METRICS_COLLECTION_ENV):
-        monkeypatch.setenv(name, "")  # recorded, so that the test's end restores the original
-        monkeypatch.delenv(name)
+    monkeypatch.delenv(run_module.GCS_TASK_EVENTS_ENV, raising=False)
     cfg = load_config("examples/configs/grpo_tiny_cpu.yaml", ["cluster.num_cpus=2"])
     run_module.init_ray(cfg)
     assert os.environ[run_module.GCS_TASK_EVENTS_ENV] == "10000"
-    assert os.environ[run_module.METRICS_COLLECTION_ENV] == "0"
     assert calls and calls[0]["num_cpus"] == 2
 
-    monkeypatch.setenv(run_module.GCS_TASK_EVENTS_ENV, "500")  # the user's settings win
-    monkeypatch.setenv(run_module.METRICS_COLLECTION_ENV, "1")
+    monkeypatch.setenv(run_module.GCS_TASK_EVENTS_ENV, "500")  # the user's setting wins
     run_module.init_ray(cfg)
     assert os.environ[run_module.GCS_TASK_EVENTS_ENV] == "500"
-    assert os.environ[run_module.METRICS_COLLECTION_ENV] == "1"
 
 
 def test_the_stop_message_names_the_checkpoint_the_restart_resumes(
