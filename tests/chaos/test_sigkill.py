@@ -44,7 +44,18 @@ CI_KILL_POINTS = [
 
 
 def test_sigkill_and_restart_trains_every_prompt_exactly_once(tmp_path):
-    shape = RunShape(val_period=8, val_samples=64, val_generations=4)
+    # One validation prompt in flight at a time: the pass of version 8 then lasts a few times
+    # longer than step_8's checkpoint write, under load too. (With four at a time the pass
+    # took 0.58 s and ended before step_8 was published in a CI run at load 5, and the kill
+    # fell on the last version's pass, leaving nothing for the other kill points.) Three
+    # epochs, 24 steps: room for the later kill points when the machine is slow to show them.
+    shape = RunShape(
+        epochs=3,
+        val_period=8,
+        val_samples=64,
+        val_generations=4,
+        extra=("grpo.val_batch_size=1",),
+    )
     report = run_with_kills(tmp_path, CI_KILL_POINTS, shape=shape, seed=0)
     dump(report, tmp_path / "chaos_report.json")
     print("RESULT", report.result())
