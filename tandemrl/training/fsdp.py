@@ -49,6 +49,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from tandemrl.training.rank_group import Replicas
+from tandemrl.training.shard_adamw import local_part
 from tandemrl.training.worker_common import CheckpointError
 from tandemrl.transport.object_store import FlatWeights
 
@@ -79,11 +80,6 @@ def shard_model(
         assert isinstance(unit, FSDPModule)
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)
-
-
-def local_part(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (a plain tensor is its own)."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def sharded_grad_norm_and_clip(

@@ -15,8 +15,8 @@ collective timeout (gloo fails the collective; NCCL's watchdog ends the process)
   collectives FSDP2 issues in each pass line up on every rank (a rank with fewer micro-batches
   takes idle passes);
 - ``sum_int``: the step's valid-token count, the normaliser of the token-mean loss;
-- ``sum_float``: the squared gradient norm over every rank's shards (clipping uses the global
-  norm).
+- ``sum_tensor_``: the squared gradient norm over every rank's shards, summed on the device
+  (clipping uses the global norm).
 
 ``LocalReplicas`` (one process, the unsharded workers) answers with its own numbers; the
 sharded workers use ``GroupReplicas``. Reductions run with ``ReduceOp.SUM`` / ``MAX`` only:
@@ -146,9 +146,6 @@ class Replicas:
     def sum_int(self, value: int) -> int:
         return value
 
-    def sum_float(self, value: float) -> float:
-        return value
-
     def sum_tensor_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the ranks in place (on ``device`` when a group is joined)."""
         return tensor
@@ -168,24 +165,20 @@ class GroupReplicas(Replicas):
         # NCCL reduces device tensors only; gloo host tensors.
         self.device = device if dist.get_backend() == "nccl" else torch.device("cpu")
 
-    def _reduce(
-        self, value: float, dtype: torch.dtype, op: dist.ReduceOp.RedOpType
-    ) -> torch.Tensor:
-        tensor = torch.tensor([value], dtype=dtype, device=self.device)
+    def _all_reduce_(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType) -> torch.Tensor:
         if self.world_size > 1:  # one rank: the value is its own reduction, no collective
             dist.all_reduce(tensor, op=op)
         return tensor
 
+    def _reduce(self, value: int, op: dist.ReduceOp.RedOpType) -> int:
+        tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
+        return int(self._all_reduce_(tensor, op).item())
+
     def sum_tensor_(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.world_size > 1:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-        return tensor
+        return self._all_reduce_(tensor, dist.ReduceOp.SUM)
 
     def max_int(self, value: int) -> int:
-        return int(self._reduce(value, torch.int64, dist.ReduceOp.MAX).item())
+        return self._reduce(value, dist.ReduceOp.MAX)
 
     def sum_int(self, value: int) -> int:
-        return int(self._reduce(value, torch.int64, dist.ReduceOp.SUM).item())
-
-    def sum_float(self, value: float) -> float:
-        return float(self._reduce(value, torch.float64, dist.ReduceOp.SUM).item())
+        return self._reduce(value, dist.ReduceOp.SUM)

@@ -16,18 +16,28 @@ the group's own settings.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (a plain tensor is its own)."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 class ShardLocalAdamW(torch.optim.AdamW):
     """``torch.optim.AdamW`` whose steps after the first run on local shards (module docstring)."""
+
+    def __init__(self, params: Any, **settings: Any) -> None:
+        super().__init__(params, **settings)
+        if self.defaults["differentiable"] or "decoupled_weight_decay" not in self.defaults:
+            raise ValueError(
+                "ShardLocalAdamW needs torch's merged Adam/AdamW (torch >= 2.8) and "
+                "differentiable=False"
+            )
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -43,19 +53,14 @@ class ShardLocalAdamW(torch.optim.AdamW):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            if group["differentiable"] or "decoupled_weight_decay" not in group:
-                raise ValueError(
-                    "ShardLocalAdamW needs torch's merged Adam/AdamW (torch >= 2.8) and "
-                    "differentiable=False"
-                )
             states = [self.state[p] for p in params]
             beta1, beta2 = group["betas"]
             adam(
-                [_local(p) for p in params],
-                [_local(p.grad) for p in params],
-                [_local(s["exp_avg"]) for s in states],
-                [_local(s["exp_avg_sq"]) for s in states],
-                [_local(s["max_exp_avg_sq"]) for s in states] if group["amsgrad"] else [],
+                [local_part(p) for p in params],
+                [local_part(p.grad) for p in params],
+                [local_part(s["exp_avg"]) for s in states],
+                [local_part(s["exp_avg_sq"]) for s in states],
+                [local_part(s["max_exp_avg_sq"]) for s in states] if group["amsgrad"] else [],
                 [s["step"] for s in states],
                 foreach=group["foreach"],
                 capturable=group["capturable"],

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from tandemrl.config.models import OptimizerConfig, SchedulerConfig
 from tandemrl.sm_partition import SmShare
 from tandemrl.training.losses import AllMaskedStepError
-from tandemrl.training.shard_adamw import ShardLocalAdamW
+from tandemrl.training.shard_adamw import ShardLocalAdamW, local_part
 
 T = TypeVar("T")
 
@@ -360,11 +360,7 @@ def scale_gradients(params: Iterable[torch.nn.Parameter], scale: float) -> None:
     # One foreach kernel over the local parts: a DTensor gradient's mul_ per parameter costs
     # DTensor's dispatch 290 times a step for the 0.5B model.
     with torch.no_grad():
-        grads = [
-            p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            for p in params
-            if p.grad is not None
-        ]
+        grads = [local_part(p.grad) for p in params if p.grad is not None]
         if grads:
             torch._foreach_mul_(grads, scale)
 
