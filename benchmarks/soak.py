@@ -64,19 +64,44 @@ def role_of(process: psutil.Process, driver_pid: int) -> str:
     return "ray_other"  # agents, log monitor, autoscaler monitor, idle workers
 
 
-def rss_by_role(driver: psutil.Process) -> dict[str, float]:
-    """MB resident per role, over the driver and all its descendants."""
+STATUS_PARTS = (("RssAnon:", "anon"), ("RssFile:", "file"), ("RssShmem:", "shmem"))
+
+
+def rss_parts(pid: int) -> dict[str, float]:
+    """MB of a process's resident memory by kind (``/proc/<pid>/status``, Linux): private
+    heap and stacks (anon), mapped files and libraries (file), and shared memory (shmem: the
+    pages of Ray's object store this process has touched, which the store's size bounds)."""
+    parts: dict[str, float] = {}
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                for field, name in STATUS_PARTS:
+                    if line.startswith(field):
+                        parts[name] = int(line.split()[1]) / 1024  # kB
+    except OSError:
+        return {}
+    return parts
+
+
+def rss_by_role(driver: psutil.Process) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """MB resident per role, over the driver and all its descendants, and per role the same
+    split by kind (``rss_parts``; empty where /proc has no such fields)."""
     totals: dict[str, float] = defaultdict(float)
+    parts: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     try:
         processes = [driver, *driver.children(recursive=True)]
     except psutil.NoSuchProcess:
-        return {}
+        return {}, {}
     for process in processes:
         try:
-            totals[role_of(process, driver.pid)] += process.memory_info().rss / 2**20
+            rss = process.memory_info().rss / 2**20
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-    return dict(totals)
+        role = role_of(process, driver.pid)
+        totals[role] += rss
+        for name, mb in rss_parts(process.pid).items():
+            parts[role][name] += mb
+    return dict(totals), {role: dict(split) for role, split in parts.items()}
 
 
 def last_step(metrics: Path) -> int:
@@ -166,10 +191,15 @@ def main() -> int:
                     stopped_by_signal = True
                     os.killpg(process.pid, signal.SIGTERM)
                     break
+                rss, parts = rss_by_role(driver)
                 sample = {
                     "t_s": round(elapsed, 1),
                     "step": last_step(log_dir / "metrics.jsonl"),
-                    "rss_mb": {k: round(v, 2) for k, v in rss_by_role(driver).items()},
+                    "rss_mb": {k: round(v, 2) for k, v in rss.items()},
+                    "rss_parts_mb": {
+                        role: {k: round(v, 2) for k, v in split.items()}
+                        for role, split in parts.items()
+                    },
                     "checkpoint_mb": round(folder_mb(checkpoint_dir), 2),
                     "load1": os.getloadavg()[0],
                 }
@@ -195,6 +225,28 @@ def main() -> int:
         for role in roles
     }
     total = slope_per_1k([(s["step"], sum(s["rss_mb"].values())) for s in fitted])
+    # The controller's and the whole job's slopes split by kind of memory (anon, file, shmem).
+    kinds = sorted({kind for s in fitted for split in s["rss_parts_mb"].values() for kind in split})
+    slopes_by_kind = {
+        "controller": {
+            kind: slope_per_1k(
+                [
+                    (s["step"], s["rss_parts_mb"].get("controller", {}).get(kind, 0.0))
+                    for s in fitted
+                ]
+            )
+            for kind in kinds
+        },
+        "whole_job": {
+            kind: slope_per_1k(
+                [
+                    (s["step"], sum(split.get(kind, 0.0) for split in s["rss_parts_mb"].values()))
+                    for s in fitted
+                ]
+            )
+            for kind in kinds
+        },
+    }
     tail = (workdir / "run.log").read_text(errors="replace").splitlines()[-5:]
     checked = [slopes.get("controller"), slopes.get("gcs"), total]
     journal = checkpoint_dir / JOURNAL
@@ -210,6 +262,7 @@ def main() -> int:
         "gcs_mb_per_1k_steps": slopes.get("gcs"),
         "total_mb_per_1k_steps": total,
         "mb_per_1k_steps_by_role": slopes,
+        "mb_per_1k_steps_by_kind": slopes_by_kind,
         "rss_mb_after_warmup": fitted[0]["rss_mb"] if fitted else None,
         "rss_mb_last": fitted[-1]["rss_mb"] if fitted else None,
         "checkpoint_mb_last": samples[-1]["checkpoint_mb"] if samples else None,

@@ -412,19 +412,39 @@ def gpu_step_times(
 
 
 def profile_step(worker: Any, batch: dict[str, torch.Tensor], path: Path) -> None:
-    """torch.profiler tables of one step (device and host time), and Dynamo's counters."""
+    """torch.profiler tables of one step (device and host time) and Dynamo's counters. The
+    step runs in the same event loop as two warm-up steps before it, as the timed steps do
+    (a loop of its own would give it fresh executor threads; see ``gpu_step_times``). The
+    table's first line adds the step's wall time and the device time of its kernels."""
     from torch._dynamo.utils import counters
     from torch.profiler import ProfilerActivity, profile
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        asyncio.run(gpu_step(worker, batch))
+    async def warm_then_profiled() -> tuple[Any, float]:
+        for _ in range(2):
+            await gpu_step(worker, batch)
         torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            started = time.perf_counter()
+            await gpu_step(worker, batch)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - started
+        return prof, wall
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof, wall = asyncio.run(warm_then_profiled())
     averages = prof.key_averages()
+    kernel_us = sum(  # the kernels' own rows (the host ops' rows repeat their time)
+        event.self_device_time_total
+        for event in averages
+        if event.device_type == torch.autograd.DeviceType.CUDA
+    )
     with path.open("w") as out:
-        out.write(averages.table(sort_by="self_cuda_time_total", row_limit=30))
+        out.write(
+            f"step wall {wall * 1e3:.2f} ms; device time of all kernels {kernel_us / 1e3:.2f} ms\n"
+        )
+        out.write(averages.table(sort_by="self_cuda_time_total", row_limit=60))
         out.write("\n")
-        out.write(averages.table(sort_by="self_cpu_time_total", row_limit=30))
+        out.write(averages.table(sort_by="self_cpu_time_total", row_limit=40))
         out.write("\n")
         out.write(json.dumps({key: dict(value) for key, value in counters.items()}, default=str))
 
