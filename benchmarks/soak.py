@@ -15,6 +15,12 @@ the stop went (exit code 143, the last checkpoint's step).
 
     python benchmarks/soak.py --steps 5000 --interval-s 5 --warmup-steps 1000
     python benchmarks/soak.py --steps 5000 --max-wall-s 600 --warmup-steps 200   # short mode
+    python benchmarks/soak.py --steps 3000 --warmup-steps 1000 --heap-probe   # what grows
+
+``--heap-probe`` puts ``benchmarks/heap_probe`` first on the run's ``PYTHONPATH``: its
+``sitecustomize`` samples, inside the controller and trainer actors, glibc's heap in use and
+free, the interpreter's blocks and the count of each type of object (see that file); the
+RESULT then carries their slopes and the types whose count grew most.
 
 Ends with one line ``RESULT {json}``; every sample is kept in ``<workdir>/samples.jsonl``.
 """
@@ -30,6 +36,7 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +45,8 @@ import psutil
 from tandemrl.checkpoint.layout import JOURNAL
 
 REPO = Path(__file__).resolve().parents[1]
+HEAP_PROBE = REPO / "benchmarks" / "heap_probe"
+HEAP_FIELDS = ("anon_mb", "malloc_in_use_mb", "malloc_free_mb", "py_blocks", "gc_objects")
 CONFIG = "examples/configs/grpo_tiny_cpu_checkpointed.yaml"
 GOAL_MB_PER_1K_STEPS = 1.0
 # Process title prefix (Ray names its workers ``ray::<Class>``) or executable -> role.
@@ -140,6 +149,45 @@ def slope_per_1k(points: list[tuple[int, float]]) -> float | None:
     return round(fit.slope * 1000, 3)
 
 
+def step_at(samples: list[dict[str, Any]], when: float) -> float | None:
+    """The run's step at wall-clock time ``when``, interpolated between RSS samples."""
+    for before, after in pairwise(samples):
+        if before["t"] <= when <= after["t"]:
+            span = after["t"] - before["t"]
+            share = (when - before["t"]) / span if span else 0.0
+            return before["step"] + share * (after["step"] - before["step"])
+    return None
+
+
+def heap_summary(folder: Path, samples: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
+    """Per probed actor: each HEAP_FIELDS value's slope per 1,000 steps after the warm-up
+    (MB, or blocks and objects), and the 15 object types whose count grew most."""
+    summary: dict[str, Any] = {}
+    for path in sorted(folder.glob("*.jsonl")):
+        rows = []
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            step = step_at(samples, row["t"])
+            if step is not None and step >= warmup:
+                rows.append((step, row))
+        if len(rows) < 3:
+            continue
+        first, last = rows[0][1]["types"], rows[-1][1]["types"]
+        grown = {name: last.get(name, 0) - first.get(name, 0) for name in {*first, *last}}
+        summary[path.stem] = {
+            "samples": len(rows),
+            "steps": [round(rows[0][0]), round(rows[-1][0])],
+            "per_1k_steps": {
+                field: slope_per_1k([(step, row[field]) for step, row in rows])
+                for field in HEAP_FIELDS
+            },
+            "first": {field: rows[0][1][field] for field in HEAP_FIELDS},
+            "last": {field: rows[-1][1][field] for field in HEAP_FIELDS},
+            "types_grown": dict(sorted(grown.items(), key=lambda kv: -kv[1])[:15]),
+        }
+    return summary
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5000)
@@ -147,6 +195,9 @@ def main() -> int:
     parser.add_argument("--interval-s", type=float, default=5.0)
     parser.add_argument("--warmup-steps", type=int, default=1000)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/tandemrl-soak"))
+    parser.add_argument(
+        "--heap-probe", action="store_true", help="sample the controller's and trainer's heap"
+    )
     parser.add_argument("overrides", nargs="*", help="extra config overrides (key=value)")
     args = parser.parse_args()
 
@@ -173,11 +224,18 @@ def main() -> int:
     started = time.monotonic()
     samples: list[dict[str, Any]] = []
     stopped_by_signal = False
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(REPO)}
+    heap_dir = workdir / "heap"
+    if args.heap_probe:
+        heap_dir.mkdir()
+        env["PYTHONPATH"] = f"{HEAP_PROBE}{os.pathsep}{REPO}"
+        env["TANDEMRL_HEAP_PROBE_DIR"] = str(heap_dir)
+        env["TANDEMRL_HEAP_PROBE_S"] = str(max(args.interval_s, 10.0))
     with (workdir / "run.log").open("wb") as run_log:
         process = subprocess.Popen(
             command,
             cwd=REPO,
-            env={**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(REPO)},
+            env=env,
             stdout=run_log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -194,6 +252,7 @@ def main() -> int:
                 rss, parts = rss_by_role(driver)
                 sample = {
                     "t_s": round(elapsed, 1),
+                    "t": round(time.time(), 1),
                     "step": last_step(log_dir / "metrics.jsonl"),
                     "rss_mb": {k: round(v, 2) for k, v in rss.items()},
                     "rss_parts_mb": {
@@ -277,6 +336,8 @@ def main() -> int:
         "load_after": [round(x, 2) for x in os.getloadavg()],
         "workdir": str(workdir),
     }
+    if args.heap_probe:
+        result["heap_probe"] = heap_summary(heap_dir, samples, args.warmup_steps)
     print("RESULT " + json.dumps(result), flush=True)
     return 0 if returncode in (0, 128 + signal.SIGTERM) else 1
 

@@ -39,8 +39,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import gzip
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -219,6 +221,9 @@ GPU_VARIANTS = {
     # fsdp1 keeps the gathered weights from the forward to the backward at one rank (the
     # default); this one frees them after the forward and gathers them again.
     "fsdp1_reshard": (True, ("policy.dtensor_cfg.reshard_after_forward=true",)),
+    # fsdp1 with torch's own reduce-scatter at one rank (a copy of every gradient) in place of
+    # fsdp.OneRankReduceScatter.
+    "fsdp1_torch_rs": (True, ()),
 }
 
 
@@ -242,6 +247,7 @@ def gpu_mode(args: argparse.Namespace) -> dict[str, Any]:
     """FSDP2 at size 1 against the single-process trainer, on one GPU (see the docstring)."""
     from gpu_common import QWEN2_SIZES, LongTail, build_model_folder, make_train_batch
 
+    from tandemrl.training import fsdp
     from tandemrl.training.policy_worker import PolicyWorker
     from tandemrl.training.rank_group import (
         join_rank_group,
@@ -276,6 +282,7 @@ def gpu_mode(args: argparse.Namespace) -> dict[str, Any]:
                 ),
             )
             worker_class = ShardedPolicyWorker if sharded else PolicyWorker
+            fsdp.ALIAS_REDUCE_SCATTER_AT_ONE_RANK = name != "fsdp1_torch_rs"
             worker = worker_class(cfg.policy, cfg.loss_fn, seed=0)
             params = sum(p.numel() for p in worker.model.parameters())
             config = worker.model.config
@@ -303,7 +310,11 @@ def gpu_mode(args: argparse.Namespace) -> dict[str, Any]:
                 "gc_full_collections": sum(full for _, full in pauses),
             }
             if args.profile_dir:
-                profile_step(worker, batch, Path(args.profile_dir) / f"{name}.txt")
+                profile_step(
+                    worker, batch, Path(args.profile_dir) / f"{name}.txt", trace=args.trace
+                )
+                if args.cprofile:
+                    cprofile_step(worker, batch, Path(args.profile_dir) / f"{name}.cprofile.txt")
             print(f"{name}: {results[name]}", flush=True)
             del worker
             torch.cuda.empty_cache()
@@ -411,7 +422,66 @@ def gpu_step_times(
     return asyncio.run(all_steps())
 
 
-def profile_step(worker: Any, batch: dict[str, torch.Tensor], path: Path) -> None:
+def device_gaps(events: Any, threshold_us: float = 20.0, listed: int = 15) -> str:
+    """Where the device waits: the union of the kernels' intervals against their span, and
+    the longest idle gaps between kernels with the kernels on either side."""
+    kernels = sorted(
+        (event.time_range.start, event.time_range.end, event.name)
+        for event in events
+        if event.device_type == torch.autograd.DeviceType.CUDA
+    )
+    if not kernels:
+        return "no device kernels recorded"
+    busy, gaps, reach, before = 0.0, [], kernels[0][0], kernels[0][2]
+    for start, end, name in kernels:
+        if start > reach:
+            gaps.append((start - reach, before[:60], name[:60]))
+        busy += max(0.0, end - max(start, reach))
+        if end > reach:
+            reach, before = end, name
+    span = reach - kernels[0][0]
+    long_gaps = [gap for gap in gaps if gap[0] >= threshold_us]
+    lines = [
+        f"device busy {busy / 1e3:.2f} ms of a {span / 1e3:.2f} ms span; "
+        f"{len(gaps)} gaps, {sum(g[0] for g in gaps) / 1e3:.2f} ms in all; "
+        f"{len(long_gaps)} of >= {threshold_us:.0f} us, {sum(g[0] for g in long_gaps) / 1e3:.2f} ms"
+    ]
+    for length, after, next_name in sorted(long_gaps, reverse=True)[:listed]:
+        lines.append(f"  gap {length:8.1f} us after {after!r} before {next_name!r}")
+    return "\n".join(lines)
+
+
+def cprofile_step(worker: Any, batch: dict[str, torch.Tensor], path: Path) -> None:
+    """Host time of one step by Python function (``cProfile``), after a warm-up step; the
+    step runs on this thread through the worker's synchronous API, so the forward's hooks
+    (FSDP2's pre- and post-forward) are in it and the backward's, which run on autograd's
+    device thread, are not."""
+    import cProfile
+    import io
+    import pstats
+
+    def step() -> None:
+        worker._begin_train_step()
+        worker._train_microbatches(batch, batch["input_ids"].shape[0], count_loss_tokens(batch))
+        worker._finish_train_step()
+
+    step()
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    step()
+    torch.cuda.synchronize()
+    profiler.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(45)
+    stats.sort_stats("cumulative").print_stats(60)
+    path.write_text(text.getvalue())
+
+
+def profile_step(
+    worker: Any, batch: dict[str, torch.Tensor], path: Path, *, trace: bool = False
+) -> None:
     """torch.profiler tables of one step (device and host time) and Dynamo's counters. The
     step runs in the same event loop as two warm-up steps before it, as the timed steps do
     (a loop of its own would give it fresh executor threads; see ``gpu_step_times``). The
@@ -432,6 +502,12 @@ def profile_step(worker: Any, batch: dict[str, torch.Tensor], path: Path) -> Non
 
     path.parent.mkdir(parents=True, exist_ok=True)
     prof, wall = asyncio.run(warm_then_profiled())
+    if trace:
+        traced = path.with_suffix(".trace.json")
+        prof.export_chrome_trace(str(traced))
+        with traced.open("rb") as raw, gzip.open(f"{traced}.gz", "wb") as packed:
+            shutil.copyfileobj(raw, packed)
+        traced.unlink()
     averages = prof.key_averages()
     kernel_us = sum(  # the kernels' own rows (the host ops' rows repeat their time)
         event.self_device_time_total
@@ -442,7 +518,8 @@ def profile_step(worker: Any, batch: dict[str, torch.Tensor], path: Path) -> Non
         out.write(
             f"step wall {wall * 1e3:.2f} ms; device time of all kernels {kernel_us / 1e3:.2f} ms\n"
         )
-        out.write(averages.table(sort_by="self_cuda_time_total", row_limit=60))
+        out.write(device_gaps(prof.events()) + "\n")
+        out.write(averages.table(sort_by="self_cuda_time_total", row_limit=160))
         out.write("\n")
         out.write(averages.table(sort_by="self_cpu_time_total", row_limit=40))
         out.write("\n")
@@ -465,6 +542,10 @@ def main() -> None:
         "--variants", nargs="+", default=["single", "fsdp1"], choices=sorted(GPU_VARIANTS)
     )
     parser.add_argument("--profile-dir", default=None, help="gpu: torch.profiler tables here")
+    parser.add_argument("--trace", action="store_true", help="gpu: and a gzipped Chrome trace")
+    parser.add_argument(
+        "--cprofile", action="store_true", help="gpu: and the host time by Python function"
+    )
     parser.add_argument(
         "--gc-freeze",
         action="store_true",

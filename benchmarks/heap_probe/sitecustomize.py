@@ -1,0 +1,97 @@
+"""A heap probe for ``benchmarks/soak.py --heap-probe``: imported by every Python process of
+the run (this folder leads ``PYTHONPATH``), it watches only Ray workers that become the
+controller or the trainer actor and samples, every ``TANDEMRL_HEAP_PROBE_S`` seconds, what
+the RSS is made of: glibc's heap in use and free (``mallinfo2``), the interpreter's allocated
+blocks, and the count of each type of object the collector tracks (objects frozen by
+``gc.freeze`` excluded, so: what the run made). One JSON line per sample in
+``$TANDEMRL_HEAP_PROBE_DIR/<role>-<pid>.jsonl``."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+import os
+import sys
+import threading
+import time
+from collections import Counter
+
+WATCHED = (("ray::SingleControllerActor", "controller"), ("ray::PolicyWorker", "trainer"))
+
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+def _role() -> str | None:
+    try:
+        with open("/proc/self/cmdline", "rb") as handle:
+            title = handle.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return None
+    for prefix, role in WATCHED:
+        if title.startswith(prefix):
+            return role
+    return None
+
+
+def _anon_mb() -> float:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _probe(folder: str, interval_s: float) -> None:
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = MallInfo2
+    role = None
+    while role is None:  # a Ray worker takes its actor's title after it starts
+        time.sleep(2.0)
+        role = _role()
+    path = os.path.join(folder, f"{role}-{os.getpid()}.jsonl")
+    with open(path, "a") as out:
+        while True:
+            info = libc.mallinfo2()
+            types = Counter(type(obj).__qualname__ for obj in gc.get_objects())
+            sample = {
+                "t": round(time.time(), 1),
+                "anon_mb": round(_anon_mb(), 2),
+                "malloc_in_use_mb": round((info.uordblks + info.hblkhd) / 2**20, 2),
+                "malloc_free_mb": round(info.fordblks / 2**20, 2),
+                "malloc_arena_mb": round(info.arena / 2**20, 2),
+                "py_blocks": sys.getallocatedblocks(),
+                "gc_objects": sum(types.values()),
+                "frozen": gc.get_freeze_count(),
+                "threads": threading.active_count(),
+                "types": dict(types.most_common(60)),
+            }
+            out.write(json.dumps(sample) + "\n")
+            out.flush()
+            time.sleep(interval_s)
+
+
+_folder = os.environ.get("TANDEMRL_HEAP_PROBE_DIR")
+if _folder and sys.argv and "default_worker.py" in sys.argv[0]:
+    threading.Thread(
+        target=_probe,
+        args=(_folder, float(os.environ.get("TANDEMRL_HEAP_PROBE_S", "30"))),
+        name="heap-probe",
+        daemon=True,
+    ).start()
