@@ -17,6 +17,7 @@ import asyncio
 import ctypes
 import ctypes.util
 import logging
+import time
 from functools import cache
 from typing import Any
 
@@ -53,3 +54,22 @@ async def trim_periodically(interval_s: float) -> None:
     while True:
         await asyncio.sleep(interval_s)
         trim_heap()
+
+
+class HeapTrimmer:
+    """``trim_heap`` at most every ``interval_s`` seconds, for a worker that calls
+    ``maybe_trim`` after each unit of its work (the trainer: after each optimizer step)."""
+
+    def __init__(self, interval_s: float, clock: Any = time.monotonic) -> None:
+        self.interval_s = interval_s
+        self._clock = clock
+        self._last = clock()
+        self.trims = 0
+
+    def maybe_trim(self) -> None:
+        now = self._clock()
+        if now - self._last < self.interval_s:
+            return
+        self._last = now
+        if trim_heap() is not None:
+            self.trims += 1

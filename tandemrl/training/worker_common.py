@@ -23,6 +23,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from tandemrl.config.models import OptimizerConfig, SchedulerConfig
+from tandemrl.heap import HeapTrimmer
 from tandemrl.sm_partition import SmShare
 from tandemrl.training.losses import AllMaskedStepError
 from tandemrl.training.shard_adamw import ShardLocalAdamW, local_part
@@ -438,6 +439,9 @@ def load_optimizer_state(
         ) from exc
 
 
+HEAP_TRIM_INTERVAL_S = 30.0
+
+
 class SplitStepWorkerAPI:
     """The async face shared by the policy and value workers: each call runs the worker's
     synchronous ``_name`` method on its serial executor, so the caller's event loop (or the
@@ -446,6 +450,7 @@ class SplitStepWorkerAPI:
     _executor: SerialExecutor
     _step: StepTracker
     optimizer: torch.optim.Optimizer
+    _heap_trimmer: HeapTrimmer | None = None
 
     def _begin_train_step(self) -> None:
         self._step.begin()
@@ -471,7 +476,13 @@ class SplitStepWorkerAPI:
 
     async def finish_train_step(self) -> dict[str, float]:
         """Exactly one optimizer step; metrics include grad_norm, lr and optimizer_steps."""
-        return await self._executor.run(self._finish_train_step)  # type: ignore[attr-defined]
+        metrics = await self._executor.run(self._finish_train_step)  # type: ignore[attr-defined]
+        # A long run's trainer frees as much as it allocates, and glibc keeps the freed pages
+        # unless asked (tandemrl.heap): every HEAP_TRIM_INTERVAL_S, between steps.
+        if self._heap_trimmer is None:
+            self._heap_trimmer = HeapTrimmer(HEAP_TRIM_INTERVAL_S)
+        self._heap_trimmer.maybe_trim()
+        return metrics
 
     async def save_checkpoint(self, directory: Path, *, save_optimizer: bool) -> None:
         await self._executor.run(self._save_checkpoint, Path(directory), save_optimizer)  # type: ignore[attr-defined]

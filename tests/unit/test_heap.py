@@ -49,3 +49,14 @@ def test_the_periodic_trim_runs_until_cancelled(monkeypatch: pytest.MonkeyPatch)
 
     asyncio.run(asyncio.wait_for(scenario(), timeout=5.0))
     assert len(calls) >= 3
+
+
+def test_the_trainer_trimmer_trims_once_per_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    monkeypatch.setattr(heap, "trim_heap", lambda: calls.append(1) or True)
+    now = [100.0]
+    trimmer = heap.HeapTrimmer(30.0, clock=lambda: now[0])
+    for when in (101.0, 129.9, 130.0, 131.0, 159.0, 161.0):
+        now[0] = when
+        trimmer.maybe_trim()
+    assert len(calls) == trimmer.trims == 2  # at 130 and at 161, never twice in 30 s
