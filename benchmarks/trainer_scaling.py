@@ -221,9 +221,6 @@ GPU_VARIANTS = {
     # fsdp1 keeps the gathered weights from the forward to the backward at one rank (the
     # default); this one frees them after the forward and gathers them again.
     "fsdp1_reshard": (True, ("policy.dtensor_cfg.reshard_after_forward=true",)),
-    # fsdp1 with torch's own reduce-scatter at one rank (a copy of every gradient) in place of
-    # fsdp.OneRankReduceScatter.
-    "fsdp1_torch_rs": (True, ()),
 }
 
 
@@ -247,7 +244,6 @@ def gpu_mode(args: argparse.Namespace) -> dict[str, Any]:
     """FSDP2 at size 1 against the single-process trainer, on one GPU (see the docstring)."""
     from gpu_common import QWEN2_SIZES, LongTail, build_model_folder, make_train_batch
 
-    from tandemrl.training import fsdp
     from tandemrl.training.policy_worker import PolicyWorker
     from tandemrl.training.rank_group import (
         join_rank_group,
@@ -282,7 +278,6 @@ def gpu_mode(args: argparse.Namespace) -> dict[str, Any]:
                 ),
             )
             worker_class = ShardedPolicyWorker if sharded else PolicyWorker
-            fsdp.ALIAS_REDUCE_SCATTER_AT_ONE_RANK = name != "fsdp1_torch_rs"
             worker = worker_class(cfg.policy, cfg.loss_fn, seed=0)
             params = sum(p.numel() for p in worker.model.parameters())
             config = worker.model.config

@@ -76,64 +76,10 @@ def shard_model(
         fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(root, mesh=mesh, mp_policy=policy)
     units = [*layers, root]
-    one_rank = dist.get_world_size() == 1
     for unit in units:
         assert isinstance(unit, FSDPModule)
+        unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)
-        if one_rank and ALIAS_REDUCE_SCATTER_AT_ONE_RANK:
-            # No divide factor: FSDP2's default at one rank is no division at all (a factor,
-            # even 1.0, makes it divide into a new tensor and copy that in).
-            unit.set_custom_reduce_scatter(OneRankReduceScatter())
-        else:
-            unit.set_gradient_divide_factor(1.0)
-
-
-# At one rank, ``OneRankReduceScatter`` replaces FSDP2's reduce-scatter (a module switch so a
-# benchmark can time torch's own path against it).
-ALIAS_REDUCE_SCATTER_AT_ONE_RANK = True
-
-
-class OneRankReduceScatter:
-    """FSDP2's reduce-scatter at one rank, without its copy.
-
-    Per unit and backward, FSDP2 asks its reduce-scatter for two buffers, in this order: the
-    input, into which it packs the unit's gradients (in the reduce dtype), then the output of
-    the same size, which it fills with a copy of the input (there is nothing to reduce at one
-    rank) and whose views become the sharded gradients. Here the output is the input: the copy
-    becomes a copy of a tensor onto itself, which torch skips, and a float32 copy of every
-    gradient a step (twice the model's size in float32 read and written) is gone. The pairing
-    is checked: an output request that does not match the input just handed out (size, dtype,
-    device) gets a buffer of its own, so the result stays right if FSDP2 ever asks otherwise.
-    """
-
-    def __init__(self) -> None:
-        self._input: torch.Tensor | None = None
-
-    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        pending = self._input
-        if (
-            pending is not None
-            and tuple(pending.shape) == tuple(size)
-            and pending.dtype == dtype
-            and pending.device == torch.device(device)
-        ):
-            self._input = None  # this request is the output: the input itself
-            return pending
-        self._input = torch.empty(size, dtype=dtype, device=device)
-        return self._input
-
-    def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        op: Any,
-        async_op: bool = False,
-    ) -> dist.Work | None:
-        # FSDP2 calls it only at several ranks; at one the sum is the input itself.
-        if output_tensor.data_ptr() != input_tensor.data_ptr():
-            output_tensor.copy_(input_tensor)
-        return None
 
 
 def sharded_grad_norm_and_clip(
