@@ -198,6 +198,9 @@ def main() -> int:
     parser.add_argument(
         "--heap-probe", action="store_true", help="sample the controller's and trainer's heap"
     )
+    parser.add_argument(
+        "--tracemalloc", action="store_true", help="with --heap-probe: Python's growth by line"
+    )
     parser.add_argument("overrides", nargs="*", help="extra config overrides (key=value)")
     args = parser.parse_args()
 
@@ -231,6 +234,8 @@ def main() -> int:
         env["PYTHONPATH"] = f"{HEAP_PROBE}{os.pathsep}{REPO}"
         env["TANDEMRL_HEAP_PROBE_DIR"] = str(heap_dir)
         env["TANDEMRL_HEAP_PROBE_S"] = str(max(args.interval_s, 10.0))
+        if args.tracemalloc:
+            env["TANDEMRL_HEAP_PROBE_TRACEMALLOC"] = "1"
     with (workdir / "run.log").open("wb") as run_log:
         process = subprocess.Popen(
             command,

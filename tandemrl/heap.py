@@ -65,6 +65,8 @@ class HeapTrimmer:
         self._clock = clock
         self._last = clock()
         self.trims = 0
+        if _libc() is None:
+            log.info("this C library has no malloc_trim: freed heap stays with the process")
 
     def maybe_trim(self) -> None:
         now = self._clock()

@@ -4,7 +4,9 @@ controller or the trainer actor and samples, every ``TANDEMRL_HEAP_PROBE_S`` sec
 the RSS is made of: glibc's heap in use and free (``mallinfo2``), the interpreter's allocated
 blocks, and the count of each type of object the collector tracks (objects frozen by
 ``gc.freeze`` excluded, so: what the run made). One JSON line per sample in
-``$TANDEMRL_HEAP_PROBE_DIR/<role>-<pid>.jsonl``."""
+``$TANDEMRL_HEAP_PROBE_DIR/<role>-<pid>.jsonl``. With ``TANDEMRL_HEAP_PROBE_TRACEMALLOC=1`` the
+controller also runs ``tracemalloc`` and each sample lists the allocation sites that grew most
+since a snapshot taken ``TANDEMRL_HEAP_PROBE_BASELINE_S`` seconds in."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import os
 import sys
 import threading
 import time
+import tracemalloc
 from collections import Counter
 
 WATCHED = (("ray::SingleControllerActor", "controller"), ("ray::PolicyWorker", "trainer"))
@@ -61,11 +64,16 @@ def _anon_mb() -> float:
 def _probe(folder: str, interval_s: float) -> None:
     libc = ctypes.CDLL("libc.so.6")
     libc.mallinfo2.restype = MallInfo2
+    started = time.time()
     role = None
     while role is None:  # a Ray worker takes its actor's title after it starts
         time.sleep(2.0)
         role = _role()
     path = os.path.join(folder, f"{role}-{os.getpid()}.jsonl")
+    traced = role == "controller" and os.environ.get("TANDEMRL_HEAP_PROBE_TRACEMALLOC") == "1"
+    baseline = None
+    if traced:
+        tracemalloc.start(6)
     with open(path, "a") as out:
         while True:
             info = libc.mallinfo2()
@@ -82,6 +90,24 @@ def _probe(folder: str, interval_s: float) -> None:
                 "threads": threading.active_count(),
                 "types": dict(types.most_common(60)),
             }
+            if traced:
+                # Python's allocations (small and large) that grew since the first snapshot
+                # taken after TANDEMRL_HEAP_PROBE_BASELINE_S, by the line that made them.
+                if baseline is None:
+                    if time.time() - started >= float(
+                        os.environ.get("TANDEMRL_HEAP_PROBE_BASELINE_S", "240")
+                    ):
+                        baseline = tracemalloc.take_snapshot()
+                else:
+                    diff = tracemalloc.take_snapshot().compare_to(baseline, "traceback")
+                    sample["traced_growth"] = [
+                        {
+                            "kib": round(stat.size_diff / 1024, 1),
+                            "count": stat.count_diff,
+                            "where": [f"{f.filename}:{f.lineno}" for f in stat.traceback][-4:],
+                        }
+                        for stat in sorted(diff, key=lambda d: -d.size_diff)[:12]
+                    ]
             out.write(json.dumps(sample) + "\n")
             out.flush()
             time.sleep(interval_s)
