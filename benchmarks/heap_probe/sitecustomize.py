@@ -61,6 +61,36 @@ def _anon_mb() -> float:
     return 0.0
 
 
+def _largest(tracked: list, keep: int = 8) -> list:
+    """The biggest objects (``sys.getsizeof``) among the tracked ones and what they refer to
+    directly (dicts of numbers and strings, arrays and bytes are not tracked themselves), as
+    type, size in KiB and, for containers, length."""
+    # What gc.freeze() moved out of the collector's generations counts too: a container built
+    # before the run froze its startup heap may be what grows.
+    frozen = gc.get_freeze_count() > 0
+    if frozen:
+        gc.unfreeze()
+        tracked = gc.get_objects()
+        gc.freeze()
+    seen: dict[int, object] = {}
+    for obj in tracked:
+        seen[id(obj)] = obj
+        for ref in gc.get_referents(obj):
+            seen.setdefault(id(ref), ref)
+    sized = []
+    for obj in seen.values():
+        try:
+            sized.append((sys.getsizeof(obj), obj))
+        except TypeError:
+            continue
+    sized.sort(key=lambda pair: -pair[0])
+    out = []
+    for size, obj in sized[:keep]:
+        length = len(obj) if hasattr(obj, "__len__") and not isinstance(obj, type) else None
+        out.append([type(obj).__qualname__, round(size / 1024, 1), length])
+    return out
+
+
 def _probe(folder: str, interval_s: float) -> None:
     libc = ctypes.CDLL("libc.so.6")
     libc.mallinfo2.restype = MallInfo2
@@ -77,7 +107,8 @@ def _probe(folder: str, interval_s: float) -> None:
     with open(path, "a") as out:
         while True:
             info = libc.mallinfo2()
-            types = Counter(type(obj).__qualname__ for obj in gc.get_objects())
+            tracked = gc.get_objects()
+            types = Counter(type(obj).__qualname__ for obj in tracked)
             sample = {
                 "t": round(time.time(), 1),
                 "anon_mb": round(_anon_mb(), 2),
@@ -89,7 +120,9 @@ def _probe(folder: str, interval_s: float) -> None:
                 "frozen": gc.get_freeze_count(),
                 "threads": threading.active_count(),
                 "types": dict(types.most_common(60)),
+                "largest": _largest(tracked),
             }
+            del tracked
             if traced:
                 # Python's allocations (small and large) that grew since the first snapshot
                 # taken after TANDEMRL_HEAP_PROBE_BASELINE_S, by the line that made them.
