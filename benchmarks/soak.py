@@ -291,26 +291,27 @@ def main() -> int:
     total = slope_per_1k([(s["step"], sum(s["rss_mb"].values())) for s in fitted])
     # The controller's and the whole job's slopes split by kind of memory (anon, file, shmem).
     kinds = sorted({kind for s in fitted for split in s["rss_parts_mb"].values() for kind in split})
-    slopes_by_kind = {
-        "controller": {
+
+    def kind_slopes(roles: set[str] | None) -> dict[str, float | None]:
+        """Slope of each kind of memory summed over ``roles`` (None: every role)."""
+        return {
             kind: slope_per_1k(
                 [
-                    (s["step"], s["rss_parts_mb"].get("controller", {}).get(kind, 0.0))
+                    (
+                        s["step"],
+                        sum(
+                            split.get(kind, 0.0)
+                            for role, split in s["rss_parts_mb"].items()
+                            if roles is None or role in roles
+                        ),
+                    )
                     for s in fitted
                 ]
             )
             for kind in kinds
-        },
-        "whole_job": {
-            kind: slope_per_1k(
-                [
-                    (s["step"], sum(split.get(kind, 0.0) for split in s["rss_parts_mb"].values()))
-                    for s in fitted
-                ]
-            )
-            for kind in kinds
-        },
-    }
+        }
+
+    slopes_by_kind = {"controller": kind_slopes({"controller"}), "whole_job": kind_slopes(None)}
     tail = (workdir / "run.log").read_text(errors="replace").splitlines()[-5:]
     checked = [slopes.get("controller"), slopes.get("gcs"), total]
     journal = checkpoint_dir / JOURNAL

@@ -447,31 +447,11 @@ def device_gaps(events: Any, threshold_us: float = 20.0, listed: int = 15) -> st
 
 
 def cprofile_step(worker: Any, batch: dict[str, torch.Tensor], path: Path) -> None:
-    """Host time of one step by Python function (``cProfile``), after a warm-up step; the
-    step runs on this thread through the worker's synchronous API, so the forward's hooks
-    (FSDP2's pre- and post-forward) are in it and the backward's, which run on autograd's
-    device thread, are not."""
-    import cProfile
-    import io
-    import pstats
+    """Host time of one step by Python function: ``fsdp_step_profile.profile_step`` (cProfile
+    over the worker's synchronous API on this thread), on a worker the timed steps warmed."""
+    from fsdp_step_profile import profile_step as cprofile_table
 
-    def step() -> None:
-        worker._begin_train_step()
-        worker._train_microbatches(batch, batch["input_ids"].shape[0], count_loss_tokens(batch))
-        worker._finish_train_step()
-
-    step()
-    torch.cuda.synchronize()
-    profiler = cProfile.Profile()
-    profiler.enable()
-    step()
-    torch.cuda.synchronize()
-    profiler.disable()
-    text = io.StringIO()
-    stats = pstats.Stats(profiler, stream=text)
-    stats.sort_stats("tottime").print_stats(45)
-    stats.sort_stats("cumulative").print_stats(60)
-    path.write_text(text.getvalue())
+    path.write_text(cprofile_table(worker, batch))
 
 
 def profile_step(

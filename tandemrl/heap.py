@@ -22,6 +22,7 @@ from functools import cache
 from typing import Any
 
 log = logging.getLogger(__name__)
+NO_TRIM = "this C library has no malloc_trim: freed heap stays with the process"
 
 
 @cache
@@ -49,7 +50,7 @@ def trim_heap() -> bool | None:
 async def trim_periodically(interval_s: float) -> None:
     """``trim_heap`` every ``interval_s`` seconds until cancelled."""
     if _libc() is None:
-        log.info("this C library has no malloc_trim: freed heap stays with the process")
+        log.info(NO_TRIM)
         return
     while True:
         await asyncio.sleep(interval_s)
@@ -66,7 +67,7 @@ class HeapTrimmer:
         self._last = clock()
         self.trims = 0
         if _libc() is None:
-            log.info("this C library has no malloc_trim: freed heap stays with the process")
+            log.info(NO_TRIM)
 
     def maybe_trim(self) -> None:
         now = self._clock()
