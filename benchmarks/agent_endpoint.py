@@ -13,8 +13,12 @@ Two measurements, one ``RESULT {json}`` line:
    client, alternating (``--rounds`` of each, interleaved), ``--steps`` steps per run; the
    median step time after ``--warmup`` steps of each variant, pooled over its runs:
    (step time through HTTP - step time in process) / step time through HTTP. Goal <= 0.15.
+   ``--agent-workers N`` plays the HTTP variant's episodes in N worker processes
+   (``env.agent.workers``) instead of on the controller's event loop;
+   ``--also-controller-loop`` adds the HTTP run without them for comparison.
 
     python benchmarks/agent_endpoint.py [--rounds 2] [--steps 60] [--warmup 10] [--calls 1024]
+        [--agent-workers 4 [--also-controller-loop]]
 
 The machine's load (``os.getloadavg``) is printed with the result: on a shared 2-core box a
 load above 2 makes every figure here slower and noisier.
@@ -150,9 +154,12 @@ def learning(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def exemplar_run(client: str, *, steps: int, workdir: Path) -> list[dict[str, Any]]:
-    """The metrics rows of one ``tandemrl train`` of the exemplar with ``env.agent.client``."""
-    log_dir = workdir / f"{client}-{time.monotonic_ns()}"
+def exemplar_run(
+    client: str, *, steps: int, workdir: Path, workers: int = 0
+) -> list[dict[str, Any]]:
+    """The metrics rows of one ``tandemrl train`` of the exemplar with ``env.agent.client``
+    (and ``env.agent.workers``)."""
+    log_dir = workdir / f"{client}-{workers}-{time.monotonic_ns()}"
     command = [
         sys.executable,
         "-m",
@@ -161,6 +168,7 @@ def exemplar_run(client: str, *, steps: int, workdir: Path) -> list[dict[str, An
         "--config",
         str(EXEMPLAR),
         f"env.agent.client={client}",
+        f"env.agent.workers={workers}",
         f"grpo.max_num_steps={steps}",
         f"logger.log_dir={log_dir}",
         "logger.progress=false",
@@ -181,6 +189,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--skip-exemplar", action="store_true")
+    parser.add_argument(
+        "--agent-workers",
+        type=int,
+        default=0,
+        help="env.agent.workers of the HTTP variant (0: agents on the controller's loop)",
+    )
+    parser.add_argument(
+        "--also-controller-loop",
+        action="store_true",
+        help="with --agent-workers: also run HTTP with the agents on the controller's loop",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     load_before = os.getloadavg()
@@ -209,19 +228,27 @@ def main() -> None:
         "tiny_http_over_direct": round(tiny["http"] / tiny["direct"], 4),
     }
     if not args.skip_exemplar:
-        times: dict[str, list[float]] = {"http": [], "in_process": []}
-        runs: dict[str, list[dict[str, Any]]] = {"http": [], "in_process": []}
+        # variant -> (env.agent.client, env.agent.workers)
+        variants = {"http": ("http", args.agent_workers), "in_process": ("in_process", 0)}
+        if args.agent_workers and args.also_controller_loop:
+            variants["http_controller_loop"] = ("http", 0)
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
         with tempfile.TemporaryDirectory(prefix="agent-endpoint-") as scratch:
             for _ in range(args.rounds):
-                for client in ("http", "in_process"):
-                    rows = exemplar_run(client, steps=args.steps, workdir=Path(scratch))
-                    times[client] += [float(row["step_time_s"]) for row in rows[args.warmup :]]
-                    runs[client].append(learning(rows))
+                for name, (client, workers) in variants.items():
+                    rows = exemplar_run(
+                        client, steps=args.steps, workdir=Path(scratch), workers=workers
+                    )
+                    times[name] += [float(row["step_time_s"]) for row in rows[args.warmup :]]
+                    runs[name].append(learning(rows))
         http_step = statistics.median(times["http"])
         local_step = statistics.median(times["in_process"])
         overhead = (http_step - local_step) / http_step
         result.update(
             {
+                "agent_workers": args.agent_workers,
+                "cpu_count": os.cpu_count(),
                 "exemplar_step_s_http": round(http_step, 4),
                 "exemplar_step_s_in_process": round(local_step, 4),
                 "endpoint_overhead_frac": round(overhead, 4),
@@ -231,6 +258,12 @@ def main() -> None:
                 "exemplar_learning": runs,
             }
         )
+        if "http_controller_loop" in times:
+            loop_step = statistics.median(times["http_controller_loop"])
+            result["exemplar_step_s_http_controller_loop"] = round(loop_step, 4)
+            result["endpoint_overhead_frac_controller_loop"] = round(
+                (loop_step - local_step) / loop_step, 4
+            )
     result["loadavg_before"] = [round(x, 2) for x in load_before]
     result["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     print("RESULT " + json.dumps(result))

@@ -20,7 +20,8 @@ agent returns, its result is used; if it lets the endpoint's refusal propagate, 
 is kept with reward 0. Either way it counts as truncated.
 
 It is also a run service: ``start`` serves the HTTP endpoint (``client: http``) before the
-pumps start, ``stop`` shuts it down after them.
+pumps start, ``stop`` shuts it down after them. With ``env.agent.workers`` the episodes play in
+worker processes (``workers.py``); the endpoint, the capture and the deadlines stay here.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from tandemrl.agents.episodes import Episode, EpisodeRegistry
 from tandemrl.agents.inprocess import InProcessClient
 from tandemrl.agents.server import PolicyEndpoint
 from tandemrl.agents.service import PolicyService
-from tandemrl.records import EnvResult
+from tandemrl.agents.workers import AgentRaised, AgentWorkerPool
+from tandemrl.records import EnvResult, PromptItem
 from tandemrl.rollout.failures import DataFailure
 from tandemrl.rollout.generation_pool import within_awake_time
 from tandemrl.rollout.ledger import StagedSibling, UnfinishedGroup
@@ -106,6 +108,7 @@ class AgentRollouts:
         on_prefix_mismatch: OnPrefixMismatch,
         frozen_time: Callable[[], Awaitable[float]],
         endpoint: PolicyEndpoint | None = None,
+        workers: AgentWorkerPool | None = None,
     ) -> None:
         self.agent = agent
         self.service = service
@@ -115,6 +118,11 @@ class AgentRollouts:
         self.frozen_time = frozen_time
         # None: agents get the in-process client; else the HTTP endpoint and openai's client.
         self.endpoint = endpoint
+        # Set: episodes play in worker processes (env.agent.workers), each with its own agent
+        # and client on the endpoint; ``agent`` itself is then never started here.
+        self.workers = workers
+        if workers is not None and endpoint is None:
+            raise ValueError("agent workers reach the policy over HTTP: they need the endpoint")
         self._http_client: Any = None
         self._agent_started = False
         self.episodes_run = 0
@@ -124,10 +132,14 @@ class AgentRollouts:
     async def start(self) -> None:
         if self.endpoint is not None and not self.endpoint.running:
             url = await self.endpoint.start()
-            self._http_client = shared_openai_client(url)
+            if self.workers is None:
+                self._http_client = shared_openai_client(url)
         if not self._agent_started:
             try:
-                await self.agent.start(None if self.endpoint is None else self.endpoint.url)
+                if self.workers is not None:
+                    await self.workers.start(self.endpoint.url)  # type: ignore[union-attr]
+                else:
+                    await self.agent.start(None if self.endpoint is None else self.endpoint.url)
             except BaseException:
                 # Not started as a service: the controller will not call stop; clean up here.
                 await self.agent.stop()
@@ -137,12 +149,17 @@ class AgentRollouts:
 
     async def health(self) -> str | None:
         """The agent's own report on what it depends on (the stall watchdog quotes it)."""
+        if self.workers is not None:
+            return await self.workers.health()
         return await self.agent.health()
 
     async def stop(self) -> None:
         if self._agent_started:
             self._agent_started = False
-            await self.agent.stop()
+            if self.workers is not None:
+                await self.workers.stop()
+            else:
+                await self.agent.stop()
         if self._http_client is not None:
             await self._http_client.close()
             self._http_client = None
@@ -176,7 +193,7 @@ class AgentRollouts:
         try:
             try:
                 result = await within_awake_time(
-                    self.agent.run(group.item, self.client_for(episode)),
+                    self._play(group.item, episode),
                     timeout_s=self.episode_timeout_s,
                     frozen_time=self.frozen_time,
                     timed_out=lambda: self._timed_out(episode),
@@ -192,6 +209,12 @@ class AgentRollouts:
             self.registry.close(episode, closed_as)
             if episode.in_flight:  # calls the agent left running (it raised, or timed out)
                 await self.service.pool.abort(sorted(episode.in_flight))
+
+    def _play(self, item: PromptItem, episode: Episode) -> Awaitable[object]:
+        """The agent's run of ``episode``: in a worker process, or on this event loop."""
+        if self.workers is not None:
+            return self.workers.run(item, episode.key)
+        return self.agent.run(item, self.client_for(episode))
 
     async def _timed_out(self, episode: Episode) -> BaseException:
         self.registry.close(episode, "timed out")
@@ -227,14 +250,17 @@ class AgentRollouts:
             return failure
         if (
             episode.ended_by is not None
-            and isinstance(exc, openai.APIStatusError)
+            and isinstance(exc, openai.APIStatusError | AgentRaised)
             and exc.status_code in (400, 409)
         ):
             # A limit ended the episode and the agent let the refusal propagate: truncated.
             return self._staged(episode, EnvResult(0.0, True, {}))
-        failure = DataFailure(f"agent raised {type(exc).__name__}: {exc}")
-        failure.__cause__ = exc
-        return failure
+        if isinstance(exc, AgentRaised):  # in a worker: its class by name
+            raised = DataFailure(f"agent raised {exc.type_name}: {exc} (agent worker {exc.worker})")
+        else:
+            raised = DataFailure(f"agent raised {type(exc).__name__}: {exc}")
+        raised.__cause__ = exc
+        return raised
 
     def _staged(self, episode: Episode, env_result: EnvResult) -> StagedSibling | BaseException:
         captured = episode.captured()

@@ -20,9 +20,13 @@ from tandemrl.agents.service import (
     single_token_stop,
     tokenizer_chat_renderer,
 )
+from tandemrl.agents.workers import AgentWorkerPool
 from tandemrl.codec import TextCodec
 from tandemrl.config.models import MasterConfig
 from tandemrl.rollout.generation_pool import GenerationPool
+
+# Endpoint hosts only this node can reach: agent workers are then placed on the controller's.
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 def uses_http(cfg: MasterConfig) -> bool:
@@ -84,6 +88,16 @@ def make_agent_rollouts(
             port=server.port,
             max_request_bytes=server.max_request_bytes,
         )
+    workers = None
+    if cfg.env.agent.workers:
+        host = cfg.policy.generation.http_server.host
+        workers = AgentWorkerPool(
+            cfg.env,
+            cfg.env.agent.workers,
+            num_cpus=cfg.env.agent.worker_num_cpus,
+            same_node=host in LOOPBACK_HOSTS,
+            actor_options={"enable_task_events": cfg.cluster.ray_task_events},
+        )
     return AgentRollouts(
         agent,
         service,
@@ -91,4 +105,5 @@ def make_agent_rollouts(
         on_prefix_mismatch=cfg.token_capture.on_prefix_mismatch,
         frozen_time=pool.frozen_time,
         endpoint=endpoint,
+        workers=workers,
     )

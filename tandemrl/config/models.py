@@ -658,6 +658,12 @@ class AgentConfig(Strict):
     # Deadline of one whole agent run, in awake time; passing it is a data failure of the
     # sibling (an agent or tool that hangs).
     episode_timeout_s: float = Field(300.0, gt=0.0)
+    # Worker processes (Ray actors) the episodes play in, each with its own agent and openai
+    # client on the endpoint; 0: on the controller's event loop. The official client's CPU
+    # per call is then off the controller (docs/agents.md). Needs the HTTP endpoint.
+    workers: int = Field(0, ge=0)
+    # CPUs Ray reserves for each agent worker (0: none; they share the node's cores).
+    worker_num_cpus: float = Field(0.0, ge=0.0)
 
 
 class GymHeadServerConfig(Strict):

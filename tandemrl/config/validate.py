@@ -918,6 +918,18 @@ class _Checker:
                 "its own messages and the endpoint renders them with the chat template; remove it"
             )
         agent = cfg.env.agent
+        if agent.workers:
+            if cfg.env.name == "nemo_gym":
+                self.error(
+                    "env.agent.workers: NeMo-Gym's episodes play in Gym's own servers; set it "
+                    "to 0 with env.name: nemo_gym"
+                )
+            elif agent.client == "in_process" or (agent.client == "auto" and not server.enabled):
+                self.error(
+                    f"env.agent.workers: {agent.workers} — agents in worker processes reach the "
+                    "policy over HTTP: set policy.generation.http_server.enabled: true (with "
+                    "env.agent.client: auto or http), or env.agent.workers: 0"
+                )
         limit = cfg.policy.max_total_sequence_length
         if agent.max_tokens_per_turn is not None and agent.max_tokens_per_turn >= limit:
             self.error(

@@ -1,0 +1,138 @@
+"""Agents in worker processes (env.agent.workers): the same rows reach the trainer, failures
+keep their class across the process boundary, and a worker that dies is an infrastructure
+failure its episodes are retried from."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from agent_helpers import (
+    ScriptedEngine,
+    agent_controller,
+    chat_tokenizer,
+    counting_answers,
+    run_controller,
+    small_agent_config,
+)
+from test_agent_rollouts import batch_rows, expected_row
+
+from tandemrl.agents import create_agent
+from tandemrl.config import load_and_validate
+from tandemrl.config.errors import ConfigError
+from tandemrl.rollout.failures import FailureKind
+
+HERE = Path(__file__).parent
+EXEMPLAR = HERE.parents[1] / "examples" / "configs" / "grpo_tiny_cpu_agent.yaml"
+
+
+def worker_config(target: str, *overrides: str, steps: int = 2):
+    return small_agent_config(
+        "policy.generation.http_server.enabled=true",
+        "env.agent.client=http",
+        f"env.target=agent_worker_agents:{target}",
+        f"env.python_path=[{HERE}]",
+        *overrides,
+        steps=steps,
+    )
+
+
+def test_episodes_in_two_workers_train_on_the_sampled_tokens(ray_session, tmp_path):
+    tokenizer = chat_tokenizer()
+    engine = ScriptedEngine(counting_answers(tokenizer))
+    log = tmp_path / "players"
+    cfg = worker_config("Player", "env.agent.workers=2", f"env.kwargs={{log: {log}}}")
+    controller, trainer = agent_controller(cfg, create_agent(cfg.env), engine, tokenizer)
+    history = run_controller(controller, timeout=120)
+    assert len(history) == 2
+    by_episode: dict[str, list] = {}
+    for result in engine.results:
+        by_episode.setdefault(result.request_id.rsplit("/", 1)[0], []).append(result)
+    finished = [turns for turns in by_episode.values() if len(turns) == 2]
+    expected = Counter(expected_row(turns) for turns in finished)
+    trained = Counter(batch_rows(trainer))
+    assert sum(trained.values()) == 8
+    assert all(count == 1 and row in expected for row, count in trained.items())
+    assert history[-1]["reward_mean"] == 1.0
+    # Played in both workers, neither of them this process.
+    pids = set(log.read_text().split())
+    assert len(pids) == 2 and str(os.getpid()) not in pids
+
+
+def test_failures_in_a_worker_keep_their_class(ray_session):
+    tokenizer = chat_tokenizer()
+    engine = ScriptedEngine(counting_answers(tokenizer))
+    cfg = worker_config(
+        "Troublesome",
+        "env.agent.workers=1",
+        "env.kwargs={}",
+        "env.agent.episode_timeout_s=1",
+        "async_rl.rollout_failure.max_data_retries=1",
+        "async_rl.rollout_failure.max_infra_retries=1",
+        "async_rl.rollout_failure.backoff_initial_s=0",
+        steps=3,
+    )
+    controller, trainer = agent_controller(cfg, create_agent(cfg.env), engine, tokenizer, count=6)
+    history = run_controller(controller, timeout=120)
+    assert len(history) == 3 and len(trainer.steps) == 3  # every prompt trained in the end
+    failures = controller.run_state.budgets.failures
+    kinds = {(f.prompt_id, f.kind) for f in failures}
+    assert kinds == {
+        ("e0-i0", FailureKind.DATA),  # raised
+        ("e0-i1", FailureKind.DATA),  # hung past episode_timeout_s
+        ("e0-i2", FailureKind.DATA),  # malformed result
+        ("e0-i3", FailureKind.INFRA),  # AgentInfraFailure
+        ("e0-i4", FailureKind.DATA),  # a 400 it let propagate
+    }
+    text = " ".join(f.cause for f in failures)
+    assert "agent raised RuntimeError: the agent's parser broke (agent worker 0)" in text
+    assert "episode_timeout_s=1" in text and "not an AgentResult" in text
+    assert "the sandbox is down (agent worker 0)" in text
+    assert "agent raised BadRequestError" in text and "'not-the-policy' is not served here" in text
+    assert controller.run_state.budgets.skipped_prompts == 0
+
+
+def test_a_worker_that_dies_fails_its_episodes_as_infrastructure_and_comes_back(
+    ray_session, tmp_path
+):
+    tokenizer = chat_tokenizer()
+    engine = ScriptedEngine(counting_answers(tokenizer))
+    marker = tmp_path / "died"
+    cfg = worker_config(
+        "DiesOnce",
+        "env.agent.workers=1",
+        f"env.kwargs={{marker: {marker}}}",
+        "async_rl.rollout_failure.max_infra_retries=2",
+        "async_rl.rollout_failure.backoff_initial_s=0",
+        steps=2,
+    )
+    controller, _ = agent_controller(cfg, create_agent(cfg.env), engine, tokenizer)
+    history = run_controller(controller, timeout=120)
+    assert marker.read_text() == "died"
+    assert len(history) == 2 and history[-1]["reward_mean"] == 1.0
+    failures = controller.run_state.budgets.failures
+    assert failures and {f.kind for f in failures} == {FailureKind.INFRA}
+    assert "e0-i1" in {f.prompt_id for f in failures}
+    assert all("agent worker 0 died under the episode" in f.cause for f in failures)
+    assert controller.run_state.budgets.skipped_prompts == 0
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (("env.agent.workers=2",), "env.agent.workers: 2"),
+        (
+            (
+                "env.agent.workers=2",
+                "policy.generation.http_server.enabled=true",
+                "env.agent.client=in_process",
+            ),
+            "env.agent.workers: 2",
+        ),
+    ],
+)
+def test_workers_without_the_endpoint_are_refused(overrides, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_and_validate(EXEMPLAR, ("policy.generation.http_server.enabled=false", *overrides))
