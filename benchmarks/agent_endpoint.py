@@ -176,7 +176,8 @@ def exemplar_run(
         "logger.plot=false",
         "logger.save_final_model=false",
     ]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_AUTH_MODE": "disabled"}
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "RAY_AUTH_MODE": "disabled"}
     subprocess.run(command, cwd=REPO, env=env, check=True, capture_output=True)
     return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -9,6 +9,18 @@ and holds each arena's lock while it walks it, so it runs rarely: ``trim_periodi
 ``interval_s`` seconds, from an asyncio task.
 
 Only glibc has ``malloc_trim``; elsewhere (musl, macOS) ``trim_heap`` does nothing and says so.
+
+CPython's table of interned strings grows once in a long run unless rebuilt at the start.
+``pathlib`` interns every part of every path it parses, and a run makes a few names a step
+that never repeat (``step_<N>``, ``segment_<lsn>.log``, ``.<name>.tmp-<hex>`` siblings). Each
+is dropped from the table when its last path dies, but the table never reuses the slot: it
+rebuilds itself when its slots run out, at the size its live strings call for. After the
+imports of a controller or trainer (torch, transformers, Ray) that size is often the next
+power of two, so the first rebuild, thousands of steps in, adds 4 MB (measured: the
+controller's only jump in 3,800 steps, docs/benchmarks.md) and later ones add nothing.
+``settle_interned_strings`` makes that first rebuild happen now: it interns and drops enough
+throwaway strings to use up the slots (about 50 ms), so the table has its lasting size before
+the steps that are measured against it. The periodic trims call it once, at their first trim.
 """
 
 from __future__ import annotations
@@ -17,12 +29,17 @@ import asyncio
 import ctypes
 import ctypes.util
 import logging
+import os
+import sys
 import time
 from functools import cache
 from typing import Any
 
 log = logging.getLogger(__name__)
 NO_TRIM = "this C library has no malloc_trim: freed heap stays with the process"
+# Throwaway strings ``settle_interned_strings`` interns: more than the free slots of any
+# interned-string table up to 2**18 entries (2/3 of which are usable), so at least one rebuild.
+SETTLE_INSERTIONS = 200_000
 
 
 @cache
@@ -47,14 +64,26 @@ def trim_heap() -> bool | None:
     return bool(libc.malloc_trim(0))
 
 
+def settle_interned_strings(insertions: int = SETTLE_INSERTIONS) -> None:
+    """Use up the free slots of CPython's interned-string table so that it rebuilds itself,
+    at the size its live strings need, now rather than mid-run (module docstring). Each
+    string is interned and dropped at once: the live strings, and so the size, do not change."""
+    prefix = f"tandemrl-settle-{os.getpid()}-"
+    for index in range(insertions):
+        sys.intern(prefix + str(index))
+
+
 async def trim_periodically(interval_s: float) -> None:
-    """``trim_heap`` every ``interval_s`` seconds until cancelled."""
+    """``trim_heap`` every ``interval_s`` seconds until cancelled; at the first, the interned
+    strings are settled too (the run's imports are done by then)."""
+    await asyncio.sleep(interval_s)
+    settle_interned_strings()
     if _libc() is None:
         log.info(NO_TRIM)
         return
     while True:
-        await asyncio.sleep(interval_s)
         trim_heap()
+        await asyncio.sleep(interval_s)
 
 
 class HeapTrimmer:
@@ -66,6 +95,7 @@ class HeapTrimmer:
         self._clock = clock
         self._last = clock()
         self.trims = 0
+        self.settled = False
         if _libc() is None:
             log.info(NO_TRIM)
 
@@ -74,5 +104,8 @@ class HeapTrimmer:
         if now - self._last < self.interval_s:
             return
         self._last = now
+        if not self.settled:
+            settle_interned_strings()
+            self.settled = True
         if trim_heap() is not None:
             self.trims += 1

@@ -51,6 +51,31 @@ def test_the_periodic_trim_runs_until_cancelled(monkeypatch: pytest.MonkeyPatch)
     assert len(calls) >= 3
 
 
+def test_settled_interned_strings_take_a_long_run_of_new_path_names_without_growing() -> None:
+    # What a long run does: a few path names a step that never repeat, each interned by
+    # pathlib and dropped with its path. Once settled, the interned-string table has its
+    # lasting size: 5,000 steps' worth of such names (4 a step, as the controller makes)
+    # leave no larger table behind (it is MBs large; 1 MB is far above anything else here).
+    # Traced from before the settling, so that a table the churn rebuilds at the same size
+    # is seen freed as well as allocated.
+    import tracemalloc
+    from pathlib import Path
+
+    root = Path("/checkpoints")
+    tracemalloc.start()
+    try:
+        heap.settle_interned_strings()
+        settled, _ = tracemalloc.get_traced_memory()
+        for step in range(5_000):
+            for name in (f"step_{step}", f".step_{step}.tmp-{step:x}", f"segment_{step:012d}.log"):
+                assert (root / name).name == name
+            assert (root / f".data_plane.tmp-{step * 7919:012x}").parent == root
+        after, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert after - settled < 1_000_000, (settled, after)
+
+
 def test_the_trainer_trimmer_trims_once_per_interval(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
     monkeypatch.setattr(heap, "trim_heap", lambda: calls.append(1) or True)
@@ -60,3 +85,4 @@ def test_the_trainer_trimmer_trims_once_per_interval(monkeypatch: pytest.MonkeyP
         now[0] = when
         trimmer.maybe_trim()
     assert len(calls) == trimmer.trims == 2  # at 130 and at 161, never twice in 30 s
+    assert trimmer.settled  # the interned strings were settled at the first trim
