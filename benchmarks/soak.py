@@ -7,8 +7,11 @@ and everything below it: Ray's gcs_server and raylet, their agents, the controll
 trainer, the generation worker) next to the step the run has reached (``metrics.jsonl``) and
 the size of the checkpoint folder.
 
-After ``--warmup-steps`` the RSS of each role is fitted against the step by least squares; the
-slopes are reported in MB per 1,000 steps (goal: each at most 1 over a 5,000-step run). With
+After ``--warmup-steps`` the RSS of each role is fitted against the step (Theil-Sen: the
+median of the slopes between every two samples, which the swings of a process's RSS with the
+phase of its step do not move; the least-squares slopes are reported beside them); the slopes
+are in MB per 1,000 steps (goal: each at most 1 over a 5,000-step run). ``--analyze
+<workdir>/samples.jsonl`` fits a finished soak's samples again. With
 ``--max-wall-s`` the run is stopped by SIGTERM to its process group (what ``timeout``, a
 terminal or a batch scheduler sends) once that much time has passed, and the result records how
 the stop went (exit code 143, the last checkpoint's step).
@@ -141,12 +144,29 @@ def folder_mb(folder: Path) -> float:
     return total / 2**20
 
 
-def slope_per_1k(points: list[tuple[int, float]]) -> float | None:
+def lsq_slope_per_1k(points: list[tuple[int, float]]) -> float | None:
     """Least-squares MB per 1,000 steps; None with fewer than 3 distinct steps."""
     if len({step for step, _ in points}) < 3:
         return None
     fit = statistics.linear_regression([s for s, _ in points], [mb for _, mb in points])
     return round(fit.slope * 1000, 3)
+
+
+def slope_per_1k(points: list[tuple[int, float]]) -> float | None:
+    """Theil-Sen MB per 1,000 steps (the median of the slopes between every two samples);
+    None with fewer than 3 distinct steps. A process's RSS swings with the phase of the step
+    it is sampled in (the trainer's by ±10-20 MB: a checkpoint's buffers, the step's tensors);
+    least squares turns such swings into slopes of ±0.7 MB per 1,000 steps over a 5,000-step
+    run, the median of pairwise slopes is not moved by them."""
+    if len({step for step, _ in points}) < 3:
+        return None
+    slopes = [
+        (mb_b - mb_a) / (step_b - step_a)
+        for index, (step_a, mb_a) in enumerate(points)
+        for step_b, mb_b in points[index + 1 :]
+        if step_b != step_a
+    ]
+    return round(statistics.median(slopes) * 1000, 3)
 
 
 def step_at(samples: list[dict[str, Any]], when: float) -> float | None:
@@ -188,6 +208,79 @@ def heap_summary(folder: Path, samples: list[dict[str, Any]], warmup: int) -> di
     return summary
 
 
+def fit_slopes(samples: list[dict[str, Any]], warmup_steps: int, steps: int) -> dict[str, Any]:
+    """The slopes of every role, of the whole job, and by kind of memory, fitted over the
+    training phase: after the warm-up, before the last step (the run's end imports matplotlib
+    for the plot and stops its processes), samples where every role is present."""
+    training = [s for s in samples if warmup_steps <= s["step"] < steps]
+    roles = sorted({role for s in training for role in s["rss_mb"]})
+    fitted = [s for s in training if set(s["rss_mb"]) == set(roles)]
+
+    def by_role(fit: Any) -> dict[str, float | None]:
+        return {
+            role: fit([(s["step"], s["rss_mb"].get(role, 0.0)) for s in fitted]) for role in roles
+        }
+
+    def whole(fit: Any) -> float | None:
+        return fit([(s["step"], sum(s["rss_mb"].values())) for s in fitted])
+
+    kinds = sorted({kind for s in fitted for split in s["rss_parts_mb"].values() for kind in split})
+
+    def kind_slopes(roles: set[str] | None) -> dict[str, float | None]:
+        """Slope of each kind of memory summed over ``roles`` (None: every role)."""
+        return {
+            kind: slope_per_1k(
+                [
+                    (
+                        s["step"],
+                        sum(
+                            split.get(kind, 0.0)
+                            for role, split in s["rss_parts_mb"].items()
+                            if roles is None or role in roles
+                        ),
+                    )
+                    for s in fitted
+                ]
+            )
+            for kind in kinds
+        }
+
+    lsq = by_role(lsq_slope_per_1k)
+    return {
+        "fitted": fitted,
+        "slopes": by_role(slope_per_1k),
+        "total": whole(slope_per_1k),
+        "by_kind": {"controller": kind_slopes({"controller"}), "whole_job": kind_slopes(None)},
+        "least_squares": {
+            "controller_mb_per_1k_steps": lsq.get("controller"),
+            "gcs_mb_per_1k_steps": lsq.get("gcs"),
+            "total_mb_per_1k_steps": whole(lsq_slope_per_1k),
+            "mb_per_1k_steps_by_role": lsq,
+        },
+    }
+
+
+def analyze(path: Path, warmup_steps: int) -> dict[str, Any]:
+    """The slopes of a finished soak from its ``samples.jsonl`` (``--analyze``)."""
+    samples = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    steps = max(s["step"] for s in samples)
+    fits = fit_slopes(samples, warmup_steps, steps)
+    checked = [fits["slopes"].get("controller"), fits["slopes"].get("gcs"), fits["total"]]
+    return {
+        "samples_file": str(path),
+        "steps": steps,
+        "fitted_samples": len(fits["fitted"]),
+        "warmup_steps": warmup_steps,
+        "controller_mb_per_1k_steps": fits["slopes"].get("controller"),
+        "gcs_mb_per_1k_steps": fits["slopes"].get("gcs"),
+        "total_mb_per_1k_steps": fits["total"],
+        "mb_per_1k_steps_by_role": fits["slopes"],
+        "fit": "theil-sen",
+        "least_squares": fits["least_squares"],
+        "goal_met": all(v is not None and v <= GOAL_MB_PER_1K_STEPS for v in checked),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5000)
@@ -201,8 +294,17 @@ def main() -> int:
     parser.add_argument(
         "--tracemalloc", action="store_true", help="with --heap-probe: Python's growth by line"
     )
+    parser.add_argument(
+        "--analyze",
+        type=Path,
+        default=None,
+        help="fit the slopes of a finished soak's samples.jsonl instead of running one",
+    )
     parser.add_argument("overrides", nargs="*", help="extra config overrides (key=value)")
     args = parser.parse_args()
+    if args.analyze is not None:
+        print("RESULT " + json.dumps(analyze(args.analyze, args.warmup_steps)))
+        return 0
 
     workdir = args.workdir.resolve()
     if workdir.exists() and any(workdir.iterdir()):
@@ -279,39 +381,8 @@ def main() -> int:
     wall = time.monotonic() - started
 
     steps = last_step(log_dir / "metrics.jsonl")
-    # Samples of the training phase only: after the warm-up, before the last step (the run's
-    # end imports matplotlib for the plot and stops its processes), every role present.
-    training = [s for s in samples if args.warmup_steps <= s["step"] < steps]
-    roles = sorted({role for s in training for role in s["rss_mb"]})
-    fitted = [s for s in training if set(s["rss_mb"]) == set(roles)]
-    slopes = {
-        role: slope_per_1k([(s["step"], s["rss_mb"].get(role, 0.0)) for s in fitted])
-        for role in roles
-    }
-    total = slope_per_1k([(s["step"], sum(s["rss_mb"].values())) for s in fitted])
-    # The controller's and the whole job's slopes split by kind of memory (anon, file, shmem).
-    kinds = sorted({kind for s in fitted for split in s["rss_parts_mb"].values() for kind in split})
-
-    def kind_slopes(roles: set[str] | None) -> dict[str, float | None]:
-        """Slope of each kind of memory summed over ``roles`` (None: every role)."""
-        return {
-            kind: slope_per_1k(
-                [
-                    (
-                        s["step"],
-                        sum(
-                            split.get(kind, 0.0)
-                            for role, split in s["rss_parts_mb"].items()
-                            if roles is None or role in roles
-                        ),
-                    )
-                    for s in fitted
-                ]
-            )
-            for kind in kinds
-        }
-
-    slopes_by_kind = {"controller": kind_slopes({"controller"}), "whole_job": kind_slopes(None)}
+    fits = fit_slopes(samples, args.warmup_steps, steps)
+    fitted, slopes, total = fits["fitted"], fits["slopes"], fits["total"]
     tail = (workdir / "run.log").read_text(errors="replace").splitlines()[-5:]
     checked = [slopes.get("controller"), slopes.get("gcs"), total]
     journal = checkpoint_dir / JOURNAL
@@ -327,7 +398,9 @@ def main() -> int:
         "gcs_mb_per_1k_steps": slopes.get("gcs"),
         "total_mb_per_1k_steps": total,
         "mb_per_1k_steps_by_role": slopes,
-        "mb_per_1k_steps_by_kind": slopes_by_kind,
+        "mb_per_1k_steps_by_kind": fits["by_kind"],
+        "fit": "theil-sen",
+        "least_squares": fits["least_squares"],
         "rss_mb_after_warmup": fitted[0]["rss_mb"] if fitted else None,
         "rss_mb_last": fitted[-1]["rss_mb"] if fitted else None,
         "checkpoint_mb_last": samples[-1]["checkpoint_mb"] if samples else None,
