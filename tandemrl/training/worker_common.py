@@ -439,9 +439,7 @@ def load_optimizer_state(
         ) from exc
 
 
-# The trainer frees tens of MB of tensors a step; trimmed every 30 s its RSS swung by ±10 MB
-# between trims (docs/benchmarks.md, session 18). A trim of that much takes a few ms.
-HEAP_TRIM_INTERVAL_S = 5.0
+HEAP_TRIM_INTERVAL_S = 30.0
 
 
 class SplitStepWorkerAPI:
