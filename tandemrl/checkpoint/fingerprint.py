@@ -103,6 +103,9 @@ BUILTIN_EXCLUDED_PATHS: tuple[str, ...] = (
     "policy.generation.http_server.served_model_name",
     "policy.generation.http_server.max_request_bytes",
     "env.agent.client",
+    # Which processes play the episodes (the agent is the same class with the same kwargs).
+    "env.agent.workers",
+    "env.agent.worker_num_cpus",
     # distillation: where and how fast teachers score, not what (the teacher set itself, its
     # models, precision and routes, stays in the identity)
     "on_policy_distillation.max_num_steps",
