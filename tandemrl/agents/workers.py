@@ -60,8 +60,14 @@ class AgentRaised(Exception):
         super().__init__(failure.message)
         self.failure = failure
         self.worker = worker
-        self.type_name = failure.type_name
-        self.status_code = failure.status_code
+
+    @property
+    def type_name(self) -> str:
+        return self.failure.type_name
+
+    @property
+    def status_code(self) -> int | None:
+        return self.failure.status_code
 
 
 def describe_failure(exc: BaseException) -> WorkerFailure:
