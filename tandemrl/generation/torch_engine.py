@@ -411,6 +411,11 @@ class TorchGenerationEngine(GenerationBackend):
         return self._asleep_since is not None
 
     @property
+    def rows_in_flight(self) -> int:
+        """Requests queued or decoding now (zero once every caller is answered or gone)."""
+        return len(self._running) + len(self._queue)
+
+    @property
     def asleep_seconds(self) -> float:
         """Seconds spent asleep so far (monotonic clock), the current stand-down included."""
         current = time.monotonic() - self._asleep_since if self._asleep_since is not None else 0.0
