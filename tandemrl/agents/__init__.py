@@ -5,7 +5,7 @@ many turns as it likes and returns an ``AgentResult``. The pieces behind it:
 
 - ``service.py``: ``PolicyService``, the policy as an OpenAI API (checks, chat template,
   generation through the ``GenerationPool``, one captured turn per call);
-- ``server.py``: ``PolicyEndpoint``, that service over HTTP (FastAPI + uvicorn, in the
+- ``server.py``: ``PolicyEndpoint``, that service over HTTP (Starlette + uvicorn, in the
   controller's event loop); ``inprocess.py``: the same surface without HTTP;
 - ``episodes.py``: episode keys (the bearer token) and the turns they capture;
 - ``runner.py``: ``AgentRollouts``, one episode per sibling of a group, failures sorted into

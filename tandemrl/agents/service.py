@@ -69,6 +69,7 @@ class RequestError(Exception):
             400: "BadRequestError",
             401: "AuthenticationError",
             409: "ConflictError",
+            500: "InternalServerError",
             503: "ServiceUnavailableError",
             504: "TimeoutError",
         }.get(self.status, "APIError")

@@ -194,3 +194,40 @@ def test_the_in_process_client_answers_with_the_same_objects_as_http():
     assert over_http == local
     assert over_http[1]["choices"][0]["message"]["content"] == "456"
     assert over_http[2]["choices"][0]["generation_token_ids"] == over_http[4][1]
+
+
+def test_unknown_routes_and_faults_of_the_endpoint_get_http_answers(caplog):
+    tokenizer = chat_tokenizer()
+    service = service_for(ScriptedEngine(counting_answers(tokenizer)), tokenizer)
+
+    async def broken_chat(key, body):
+        raise ValueError("a bug in the service")
+
+    async def go():
+        endpoint = await started_endpoint(service)
+        root = endpoint.url.removesuffix("/v1")
+        async with httpx.AsyncClient() as raw:
+            unknown = await raw.post(f"{root}/v1/embeddings", json={})
+            wrong_method = await raw.get(f"{root}/v1/chat/completions")
+        service.chat = broken_chat  # the handler looks the method up per request
+        episode = service.registry.open("g0", 0, 1)
+        client = openai.AsyncOpenAI(base_url=endpoint.url, api_key=episode.key, max_retries=0)
+        try:
+            with pytest.raises(openai.InternalServerError) as fault:
+                await client.chat.completions.create(model="policy", messages=MESSAGES)
+        finally:
+            await client.close()
+        async with httpx.AsyncClient() as raw:
+            health = await raw.get(f"{root}/health")
+        await endpoint.stop()
+        return unknown, wrong_method, fault.value, health
+
+    unknown, wrong_method, fault, health = run(go())
+    assert unknown.status_code == 404
+    assert wrong_method.status_code == 405
+    assert fault.status_code == 500
+    assert "ValueError: a bug in the service" in str(fault)
+    assert fault.body["type"] == "InternalServerError"
+    # The fault is logged with its traceback, and the endpoint keeps serving.
+    assert any(r.exc_info and "failed" in r.getMessage() for r in caplog.records)
+    assert health.status_code == 200
