@@ -60,3 +60,13 @@ class Troublesome(Agent):
                 raise AgentInfraFailure("the sandbox is down")
             await client.chat.completions.create(model="not-the-policy", messages=[])
         return await CountingGameAgent().run(item, client)
+
+
+class Paced(Agent):
+    """Plays nothing: an episode whose key starts with ``hang`` waits for a minute, any other
+    answers at once with the worker's process id and its key."""
+
+    async def run(self, item: PromptItem, client) -> AgentResult:
+        if client.api_key.startswith("hang"):
+            await asyncio.sleep(60)
+        return AgentResult(1.0, metadata={"pid": os.getpid(), "key": client.api_key})

@@ -4,7 +4,9 @@ failure its episodes are retried from."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -20,8 +22,10 @@ from agent_helpers import (
 from test_agent_rollouts import batch_rows, expected_row
 
 from tandemrl.agents import create_agent
+from tandemrl.agents.workers import AgentWorkerPool
 from tandemrl.config import load_and_validate
 from tandemrl.config.errors import ConfigError
+from tandemrl.records import PromptItem
 from tandemrl.rollout.failures import FailureKind
 
 HERE = Path(__file__).parent
@@ -117,6 +121,60 @@ def test_a_worker_that_dies_fails_its_episodes_as_infrastructure_and_comes_back(
     assert "e0-i1" in {f.prompt_id for f in failures}
     assert all("agent worker 0 died under the episode" in f.cause for f in failures)
     assert controller.run_state.budgets.skipped_prompts == 0
+
+
+def test_a_groups_siblings_play_together_and_one_cancelled_lets_the_others_answer(ray_session):
+    env = worker_config("Paced", "env.agent.workers=2", "env.kwargs={}").env
+    pool = AgentWorkerPool(env, 2, num_cpus=0, same_node=False)
+    first, second = (PromptItem(f"e0-i{i}", 0, i, "583=") for i in range(2))
+
+    async def go():
+        await pool.start("http://127.0.0.1:9/v1")  # Paced never calls the policy
+        try:
+            started = time.monotonic()
+            plays = {
+                key: asyncio.ensure_future(pool.run(item, key))
+                for item, key in [
+                    (first, "a0"),
+                    (first, "a1"),
+                    (first, "hang-a2"),
+                    (second, "b0"),
+                    (second, "b1"),
+                ]
+            }
+            await asyncio.sleep(1.0)
+            # The second group has answered; the first waits for its hung sibling.
+            done_before = sorted(key for key, play in plays.items() if play.done())
+            plays["hang-a2"].cancel()  # as its deadline would
+            outcomes = await asyncio.gather(*plays.values(), return_exceptions=True)
+            elapsed = time.monotonic() - started
+            in_flight = list(pool.in_flight)
+            # A whole group cancelled while it plays: the workers let it go.
+            group = [asyncio.ensure_future(pool.run(second, f"hang-b{i}")) for i in range(3)]
+            await asyncio.sleep(0.5)
+            for task in group:
+                task.cancel()
+            await asyncio.gather(*group, return_exceptions=True)
+            await asyncio.sleep(0.5)  # the cancels reach the worker
+            after_cancel = list(pool.in_flight)
+            again = await asyncio.wait_for(pool.run(second, "b2"), timeout=30)
+        finally:
+            await pool.stop()
+        return done_before, outcomes, elapsed, in_flight, after_cancel, again
+
+    done_before, outcomes, elapsed, in_flight, after_cancel, again = asyncio.run(go())
+    a0, a1, hung, b0, b1 = outcomes
+    assert done_before == ["b0", "b1"]
+    assert isinstance(hung, asyncio.CancelledError)
+    # The first group answered once its hung sibling was cancelled in the worker, not after
+    # the agent's minute.
+    assert elapsed < 30
+    assert [r.metadata["key"] for r in (a0, a1, b0, b1)] == ["a0", "a1", "b0", "b1"]
+    # Each group played in one worker, the two groups in different ones.
+    assert a0.metadata["pid"] == a1.metadata["pid"] != b0.metadata["pid"] == b1.metadata["pid"]
+    assert os.getpid() not in {a0.metadata["pid"], b0.metadata["pid"]}
+    assert in_flight == after_cancel == [0, 0]
+    assert again.metadata["key"] == "b2"
 
 
 @pytest.mark.parametrize(
