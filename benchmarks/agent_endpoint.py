@@ -1,6 +1,6 @@
 """What the agents' policy endpoint costs: calls per second, and its share of a step's time.
 
-Two measurements, one ``RESULT {json}`` line:
+Three measurements, one ``RESULT {json}`` line:
 
 1. Chat completions per second, with 128 calls in flight (a step's episodes of the
    exemplar), three ways to the same engine: direct engine calls (``GenerationPool.generate``
@@ -8,7 +8,11 @@ Two measurements, one ``RESULT {json}`` line:
    chat template, capture, openai objects), and the HTTP endpoint through the official
    ``openai`` client. Once with the fake engine (instant: the figure is the call path's own
    ceiling), once with the tiny model (``TorchGenerationEngine``, in this process).
-2. ``endpoint_overhead_frac``: the agent exemplar (``examples/configs/grpo_tiny_cpu_agent.yaml``,
+2. ``endpoint_server_cpu_ms_per_call``: the endpoint's own CPU per chat call (this process's
+   CPU time over the calls, the fake engine behind it), with the ``openai`` clients in
+   ``--client-processes`` processes of their own (64 calls in flight each), as agent workers
+   call it; the client's CPU is not in it.
+3. ``endpoint_overhead_frac``: the agent exemplar (``examples/configs/grpo_tiny_cpu_agent.yaml``,
    a real ``tandemrl train`` on Ray) run with the HTTP endpoint and with the in-process
    client, alternating (``--rounds`` of each, interleaved), ``--steps`` steps per run; the
    median step time after ``--warmup`` steps of each variant, pooled over its runs:
@@ -125,6 +129,63 @@ async def calls_per_second(
     return rates
 
 
+# A client process of ``server_cpu_per_call``: ``calls`` chat calls, 64 in flight.
+CLIENT_PROCESS = """
+import asyncio, sys
+from tandemrl.agents.runner import shared_openai_client
+
+async def main(url, key, calls):
+    client = shared_openai_client(url).with_options(api_key=key)
+    gate = asyncio.Semaphore(64)
+    messages = [{"role": "user", "content": "583="}]
+
+    async def one():
+        async with gate:
+            await client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
+
+    await asyncio.gather(*(one() for _ in range(calls)))
+    await client.close()
+
+asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
+"""
+
+
+async def server_cpu_per_call(service: PolicyService, *, calls: int, processes: int) -> float:
+    """Milliseconds of this process's CPU per chat call served to ``processes`` client
+    processes of ``calls`` calls each (after a warm-up round of 64 each)."""
+    episode = service.registry.open("server-cpu", 0, 0)
+    endpoint = PolicyEndpoint(service)
+    await endpoint.start()
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
+
+    async def clients(count: int) -> None:
+        started = [
+            await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-c",
+                CLIENT_PROCESS,
+                endpoint.url,
+                episode.key,
+                str(count),
+                env=env,
+            )
+            for _ in range(processes)
+        ]
+        codes = [await process.wait() for process in started]
+        if any(codes):
+            raise RuntimeError(f"a client process of the server-CPU measurement failed: {codes}")
+
+    try:
+        await clients(64)  # imports, connections
+        cpu = time.process_time()
+        await clients(calls)
+        cpu = time.process_time() - cpu
+    finally:
+        await endpoint.stop()
+    return 1e3 * cpu / (calls * processes)
+
+
 def tiny_engine(model_dir: Path) -> Any:
     from tandemrl.generation.torch_engine import TorchGenerationEngine
 
@@ -189,6 +250,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--client-processes", type=int, default=2)
     parser.add_argument("--skip-exemplar", action="store_true")
     parser.add_argument(
         "--agent-workers",
@@ -215,6 +277,13 @@ def main() -> None:
             in_flight=args.in_flight,
         )
     )
+    server_cpu = asyncio.run(
+        server_cpu_per_call(
+            service_over(FakeGenerationBackend(vocab_size=vocab), tokenizer),
+            calls=args.calls * 2,
+            processes=args.client_processes,
+        )
+    )
     tiny = asyncio.run(
         calls_per_second(
             service_over(tiny_engine(model_dir), tokenizer),
@@ -227,6 +296,8 @@ def main() -> None:
         "tiny_model_calls_per_s": {k: round(v, 1) for k, v in tiny.items()},
         "fake_http_over_direct": round(fake["http"] / fake["direct"], 4),
         "tiny_http_over_direct": round(tiny["http"] / tiny["direct"], 4),
+        "endpoint_server_cpu_ms_per_call": round(server_cpu, 4),
+        "client_processes": args.client_processes,
     }
     if not args.skip_exemplar:
         # variant -> (env.agent.client, env.agent.workers)
