@@ -192,12 +192,14 @@ def tiny_engine(model_dir: Path) -> Any:
     return TorchGenerationEngine(model_dir, device="cpu", dtype="float32", max_batch_size=256)
 
 
-def learning(rows: list[dict[str, Any]]) -> dict[str, Any]:
+def learning(rows: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     """How the reward moved: first and last 20 steps, and when (seconds of steps, step) the
-    20-step mean first stood 0.3 above the first 20 steps'."""
+    20-step mean first stood 0.3 above the first 20 steps'; where the run's time went: the
+    warm-up steps' sum, and the 90th percentile and the slowest of the steps after them."""
     rewards = [float(row["reward_mean"]) for row in rows]
     window = min(20, len(rewards))
     first = sum(rewards[:window]) / window
+    measured = [float(row["step_time_s"]) for row in rows[warmup:]]
     reached = None
     elapsed = 0.0
     for index, row in enumerate(rows):
@@ -212,6 +214,11 @@ def learning(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "reward_last20": round(sum(rewards[-window:]) / window, 4),
         "plus_0_3_reached": reached,
         "step_time_s_sum": round(sum(float(row["step_time_s"]) for row in rows), 1),
+        "warmup_step_time_s_sum": round(sum(float(r["step_time_s"]) for r in rows[:warmup]), 1),
+        "step_time_s_p90": round(statistics.quantiles(measured, n=10)[-1], 4)
+        if len(measured) > 1
+        else None,
+        "step_time_s_max": round(max(measured), 4) if measured else None,
     }
 
 
@@ -313,7 +320,7 @@ def main() -> None:
                         client, steps=args.steps, workdir=Path(scratch), workers=workers
                     )
                     times[name] += [float(row["step_time_s"]) for row in rows[args.warmup :]]
-                    runs[name].append(learning(rows))
+                    runs[name].append(learning(rows, args.warmup))
         http_step = statistics.median(times["http"])
         local_step = statistics.median(times["in_process"])
         overhead = (http_step - local_step) / http_step
