@@ -295,6 +295,12 @@ def main() -> int:
         "--tracemalloc", action="store_true", help="with --heap-probe: Python's growth by line"
     )
     parser.add_argument(
+        "--largest",
+        action="store_true",
+        help="with --heap-probe: the largest objects in each sample (this distorts the slopes: "
+        "benchmarks/heap_probe/sitecustomize.py)",
+    )
+    parser.add_argument(
         "--analyze",
         type=Path,
         default=None,
@@ -338,6 +344,8 @@ def main() -> int:
         env["TANDEMRL_HEAP_PROBE_S"] = str(max(args.interval_s, 10.0))
         if args.tracemalloc:
             env["TANDEMRL_HEAP_PROBE_TRACEMALLOC"] = "1"
+        if args.largest:
+            env["TANDEMRL_HEAP_PROBE_LARGEST"] = "1"
     with (workdir / "run.log").open("wb") as run_log:
         process = subprocess.Popen(
             command,

@@ -6,7 +6,11 @@ blocks, and the count of each type of object the collector tracks (objects froze
 ``gc.freeze`` excluded, so: what the run made). One JSON line per sample in
 ``$TANDEMRL_HEAP_PROBE_DIR/<role>-<pid>.jsonl``. With ``TANDEMRL_HEAP_PROBE_TRACEMALLOC=1`` the
 controller also runs ``tracemalloc`` and each sample lists the allocation sites that grew most
-since a snapshot taken ``TANDEMRL_HEAP_PROBE_BASELINE_S`` seconds in."""
+since a snapshot taken ``TANDEMRL_HEAP_PROBE_BASELINE_S`` seconds in. With
+``TANDEMRL_HEAP_PROBE_LARGEST=1`` (``soak.py --largest``) each sample also lists the largest
+objects, frozen ones included: to see those it unfreezes and freezes again, which freezes
+whatever garbage cycles exist at that moment (the collector never frees them), so a run that
+lists them grows by that garbage and its slopes are not the run's."""
 
 from __future__ import annotations
 
@@ -120,8 +124,9 @@ def _probe(folder: str, interval_s: float) -> None:
                 "frozen": gc.get_freeze_count(),
                 "threads": threading.active_count(),
                 "types": dict(types.most_common(60)),
-                "largest": _largest(tracked),
             }
+            if os.environ.get("TANDEMRL_HEAP_PROBE_LARGEST") == "1":
+                sample["largest"] = _largest(tracked)
             del tracked
             if traced:
                 # Python's allocations (small and large) that grew since the first snapshot

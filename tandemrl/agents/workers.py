@@ -332,13 +332,13 @@ class AgentWorkerPool:
             # The worker catches what the agent raises: this is the worker's own error (an
             # item or a result could not cross processes, its object was lost).
             outcomes = [AgentInfraFailure(f"agent worker {index} failed: {exc}") for _ in entries]
-        except BaseException as exc:  # the pool is stopping (cancelled), or a bug: never hang
-            for entry in entries:
-                if not entry.future.done():
-                    entry.future.set_exception(
-                        AgentInfraFailure(f"agent worker {index}: the call failed: {exc!r}")
-                    )
+        except asyncio.CancelledError:  # the pool is stopping: its episodes fail, none hangs
+            self._fail(entries, f"agent worker {index}: the pool stopped")
             raise
+        except Exception as exc:  # a fault of the pool itself: logged, its episodes fail
+            log.exception("agent worker %d: sending a group's episodes failed", index)
+            self._fail(entries, f"agent worker {index}: the call failed: {exc!r}")
+            return
         finally:
             self.in_flight[index] -= len(entries)
             for entry in entries:
@@ -352,6 +352,13 @@ class AgentWorkerPool:
                 entry.future.set_exception(outcome)
             else:
                 entry.future.set_result(outcome)
+
+    @staticmethod
+    def _fail(entries: list[_Pending], message: str) -> None:
+        """Each episode of ``entries`` not yet answered: an infrastructure failure."""
+        for entry in entries:
+            if not entry.future.done():
+                entry.future.set_exception(AgentInfraFailure(message))
 
     async def _cancel_in(self, index: int, keys: list[str]) -> None:
         import ray

@@ -21,7 +21,7 @@ from agent_helpers import (
 )
 from test_agent_rollouts import batch_rows, expected_row
 
-from tandemrl.agents import create_agent
+from tandemrl.agents import AgentInfraFailure, create_agent
 from tandemrl.agents.workers import AgentWorkerPool
 from tandemrl.config import load_and_validate
 from tandemrl.config.errors import ConfigError
@@ -175,6 +175,22 @@ def test_a_groups_siblings_play_together_and_one_cancelled_lets_the_others_answe
     assert os.getpid() not in {a0.metadata["pid"], b0.metadata["pid"]}
     assert in_flight == after_cancel == [0, 0]
     assert again.metadata["key"] == "b2"
+
+
+def test_stopping_the_pool_fails_its_episodes_in_flight_instead_of_hanging(ray_session):
+    env = worker_config("Paced", "env.agent.workers=1", "env.kwargs={}").env
+    pool = AgentWorkerPool(env, 1, num_cpus=0, same_node=False)
+    item = PromptItem("e0-i0", 0, 0, "583=")
+
+    async def go():
+        await pool.start("http://127.0.0.1:9/v1")
+        playing = asyncio.ensure_future(pool.run(item, "hang-0"))
+        await asyncio.sleep(0.5)
+        await pool.stop()
+        return await asyncio.wait_for(asyncio.gather(playing, return_exceptions=True), 30)
+
+    [outcome] = asyncio.run(go())
+    assert isinstance(outcome, AgentInfraFailure) and "agent worker 0" in str(outcome)
 
 
 @pytest.mark.parametrize(
