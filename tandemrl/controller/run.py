@@ -62,10 +62,6 @@ EXIT_REFUSED = 2
 # each); RAY_task_events_max_num_task_in_gcs in the environment wins (docs/long_runs.md).
 EMBEDDED_GCS_TASK_EVENTS = 10_000
 GCS_TASK_EVENTS_ENV = "RAY_task_events_max_num_task_in_gcs"
-# Ray's own metrics (what its Grafana dashboards read): every Ray process of the embedded
-# cluster reports them to the node's dashboard agent, which nobody reads when the dashboard is
-# off, and whose memory grows with them; RAY_enable_metrics_collection=1 turns them back on.
-METRICS_COLLECTION_ENV = "RAY_enable_metrics_collection"
 
 
 def exit_at_once(code: int) -> None:
@@ -137,7 +133,6 @@ def init_ray(cfg: MasterConfig) -> None:
         return
     # Read by the GCS when it starts (Ray's default keeps 100,000 records).
     os.environ.setdefault(GCS_TASK_EVENTS_ENV, str(EMBEDDED_GCS_TASK_EVENTS))
-    os.environ.setdefault(METRICS_COLLECTION_ENV, "0")
     ray.init(
         num_cpus=cfg.cluster.num_cpus or os.cpu_count() or 1,
         num_gpus=cfg.cluster.num_gpus

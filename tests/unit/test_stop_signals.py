@@ -86,7 +86,7 @@ def test_a_thread_that_unblocks_sigterm_starts_processes_that_stop_on_it() -> No
     assert seen == {"inherited": True, "after_unblock": False}
 
 
-def test_the_embedded_cluster_bounds_the_task_events_its_gcs_keeps_and_collects_no_metrics(
+def test_the_embedded_cluster_bounds_the_task_events_its_gcs_keeps(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import ray
@@ -95,26 +95,14 @@ def test_the_embedded_cluster_bounds_the_task_events_its_gcs_keeps_and_collects_
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
     monkeypatch.delenv(run_module.GCS_TASK_EVENTS_ENV, raising=False)
-    monkeypatch.delenv(run_module.METRICS_COLLECTION_ENV, raising=False)
     cfg = load_config("examples/configs/grpo_tiny_cpu.yaml", ["cluster.num_cpus=2"])
     run_module.init_ray(cfg)
     assert os.environ[run_module.GCS_TASK_EVENTS_ENV] == "10000"
-    assert os.environ[run_module.METRICS_COLLECTION_ENV] == "0"
     assert calls and calls[0]["num_cpus"] == 2
 
-    # The user's settings win.
-    monkeypatch.setenv(run_module.GCS_TASK_EVENTS_ENV, "500")
-    monkeypatch.setenv(run_module.METRICS_COLLECTION_ENV, "1")
+    monkeypatch.setenv(run_module.GCS_TASK_EVENTS_ENV, "500")  # the user's setting wins
     run_module.init_ray(cfg)
     assert os.environ[run_module.GCS_TASK_EVENTS_ENV] == "500"
-    assert os.environ[run_module.METRICS_COLLECTION_ENV] == "1"
-
-    # A cluster of the user's own is left as it is: its processes were started already.
-    monkeypatch.delenv(run_module.METRICS_COLLECTION_ENV)
-    run_module.init_ray(
-        load_config("examples/configs/grpo_tiny_cpu.yaml", ["cluster.address=auto"])
-    )
-    assert run_module.METRICS_COLLECTION_ENV not in os.environ
 
 
 def test_the_stop_message_names_the_checkpoint_the_restart_resumes(
