@@ -272,6 +272,9 @@ def main() -> None:
     )
     args = parser.parse_args()
     torch.set_num_threads(1)
+    # As in a run (tandemrl.controller.run.init_ray): the endpoint's tokenizer calls without
+    # the tokenizers library's thread pool.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     load_before = os.getloadavg()
 
     model_dir = resolve_model_path("tiny://qwen2-counting-chat")
