@@ -156,8 +156,7 @@ async def server_cpu_per_call(service: PolicyService, *, calls: int, processes: 
     episode = service.registry.open("server-cpu", 0, 0)
     endpoint = PolicyEndpoint(service)
     await endpoint.start()
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "PYTHONPATH": path}
+    env = child_env()
 
     async def clients(count: int) -> None:
         started = [
@@ -186,6 +185,12 @@ async def server_cpu_per_call(service: PolicyService, *, calls: int, processes: 
     return 1e3 * cpu / (calls * processes)
 
 
+def child_env() -> dict[str, str]:
+    """The environment of a process this benchmark starts: this checkout first on its path."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "RAY_AUTH_MODE": "disabled"}
+
+
 def tiny_engine(model_dir: Path) -> Any:
     from tandemrl.generation.torch_engine import TorchGenerationEngine
 
@@ -197,13 +202,14 @@ def learning(rows: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     20-step mean first stood 0.3 above the first 20 steps'; where the run's time went: the
     warm-up steps' sum, and the 90th percentile and the slowest of the steps after them."""
     rewards = [float(row["reward_mean"]) for row in rows]
+    step_times = [float(row["step_time_s"]) for row in rows]
+    measured = step_times[warmup:]
     window = min(20, len(rewards))
     first = sum(rewards[:window]) / window
-    measured = [float(row["step_time_s"]) for row in rows[warmup:]]
     reached = None
     elapsed = 0.0
-    for index, row in enumerate(rows):
-        elapsed += float(row["step_time_s"])
+    for index, step_time in enumerate(step_times):
+        elapsed += step_time
         if index + 1 >= window:
             mean = sum(rewards[index + 1 - window : index + 1]) / window
             if mean >= first + 0.3:
@@ -213,8 +219,8 @@ def learning(rows: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
         "reward_first20": round(first, 4),
         "reward_last20": round(sum(rewards[-window:]) / window, 4),
         "plus_0_3_reached": reached,
-        "step_time_s_sum": round(sum(float(row["step_time_s"]) for row in rows), 1),
-        "warmup_step_time_s_sum": round(sum(float(r["step_time_s"]) for r in rows[:warmup]), 1),
+        "step_time_s_sum": round(sum(step_times), 1),
+        "warmup_step_time_s_sum": round(sum(step_times[:warmup]), 1),
         "step_time_s_p90": round(statistics.quantiles(measured, n=10)[-1], 4)
         if len(measured) > 1
         else None,
@@ -244,9 +250,7 @@ def exemplar_run(
         "logger.plot=false",
         "logger.save_final_model=false",
     ]
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "PYTHONPATH": path, "RAY_AUTH_MODE": "disabled"}
-    subprocess.run(command, cwd=REPO, env=env, check=True, capture_output=True)
+    subprocess.run(command, cwd=REPO, env=child_env(), check=True, capture_output=True)
     return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
 
 

@@ -222,6 +222,7 @@ class _Pending:
     item: PromptItem
     key: str
     future: asyncio.Future[Any] = field(repr=False)
+    worker: int | None = None  # the worker its group's call went to, while it is there
 
 
 class AgentWorkerPool:
@@ -247,9 +248,8 @@ class AgentWorkerPool:
         self.actor_options = dict(actor_options or {})
         self.handles: list[Any] = []
         self.in_flight: list[int] = []  # episodes per worker
-        self._pending: list[_Pending] = []  # handed to run() in this turn of the loop
-        self._flush_scheduled = False
-        self._sent: dict[str, int] = {}  # episode key -> the worker playing it
+        # Handed to run() in this turn of the loop; a flush is scheduled while it is not empty.
+        self._pending: list[_Pending] = []
         self._tasks: set[asyncio.Task[None]] = set()  # group calls and cancels in flight
 
     async def start(self, base_url: str) -> None:
@@ -291,22 +291,19 @@ class AgentWorkerPool:
         the episode is cancelled in the worker too."""
         loop = asyncio.get_running_loop()
         entry = _Pending(item, key, loop.create_future())
-        self._pending.append(entry)
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
+        if not self._pending:
             loop.call_soon(self._flush)
+        self._pending.append(entry)
         try:
             return await entry.future
         except asyncio.CancelledError:
-            index = self._sent.get(key)
-            if index is not None:  # on its way or playing: the worker lets it go
-                self._spawn(self._cancel_in(index, [key]))
+            if entry.worker is not None:  # on its way or playing: the worker lets it go
+                self._spawn(self._cancel_in(entry.worker, [key]))
             raise
 
     def _flush(self) -> None:
         """Send what ``run`` collected in this turn of the loop: one call per prompt group,
         each to the worker with the fewest episodes in flight."""
-        self._flush_scheduled = False
         pending, self._pending = self._pending, []
         groups: dict[int, list[_Pending]] = {}
         for entry in pending:
@@ -316,7 +313,7 @@ class AgentWorkerPool:
             index = min(range(self.count), key=lambda i: self.in_flight[i])
             self.in_flight[index] += len(entries)
             for entry in entries:
-                self._sent[entry.key] = index
+                entry.worker = index
             self._spawn(self._send(index, entries))
 
     async def _send(self, index: int, entries: list[_Pending]) -> None:
@@ -326,12 +323,13 @@ class AgentWorkerPool:
             ref = self.handles[index].run_group.remote([(e.item, e.key) for e in entries])
             outcomes = await ref
         except ray.exceptions.RayActorError as exc:
-            error = f"agent worker {index} died under the episode: {exc}"
-            outcomes = [AgentInfraFailure(error) for _ in entries]
+            self._fail(entries, f"agent worker {index} died under the episode: {exc}")
+            return
         except ray.exceptions.RayError as exc:
             # The worker catches what the agent raises: this is the worker's own error (an
             # item or a result could not cross processes, its object was lost).
-            outcomes = [AgentInfraFailure(f"agent worker {index} failed: {exc}") for _ in entries]
+            self._fail(entries, f"agent worker {index} failed: {exc}")
+            return
         except asyncio.CancelledError:  # the pool is stopping: its episodes fail, none hangs
             self._fail(entries, f"agent worker {index}: the pool stopped")
             raise
@@ -342,14 +340,12 @@ class AgentWorkerPool:
         finally:
             self.in_flight[index] -= len(entries)
             for entry in entries:
-                self._sent.pop(entry.key, None)
+                entry.worker = None
         for entry, outcome in zip(entries, outcomes, strict=True):
             if entry.future.done():  # cancelled here while it played
                 continue
             if isinstance(outcome, WorkerFailure):
                 entry.future.set_exception(raised_again(outcome, index))
-            elif isinstance(outcome, BaseException):
-                entry.future.set_exception(outcome)
             else:
                 entry.future.set_result(outcome)
 
