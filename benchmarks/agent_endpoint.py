@@ -275,6 +275,8 @@ def main() -> None:
         help="with --agent-workers: also run HTTP with the agents on the controller's loop",
     )
     args = parser.parse_args()
+    if args.calls // 2 < args.in_flight:  # the tiny model's round gets calls // 2
+        parser.error(f"--calls {args.calls} must be at least twice --in-flight {args.in_flight}")
     torch.set_num_threads(1)
     # As in a run (tandemrl.controller.run.init_ray): the endpoint's tokenizer calls without
     # the tokenizers library's thread pool.
